@@ -1,0 +1,37 @@
+"""cukit: hand-written CUDA kernels for PyTorch and NumPy users, compiled at runtime by CuPy.
+
+Every op takes NumPy, CuPy or torch (CPU or CUDA) arrays and returns the type it was given: GPU
+inputs run cukit's kernels, host inputs run the reference implementation.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from cukit._device import device_info, is_available
+from cukit._runtime import KernelCompileError
+from cukit.interop import asarray, to_torch, use_torch_allocator
+from cukit.ops.bias_act import bias_act, bias_act_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KernelCompileError",
+    "__version__",
+    "asarray",
+    "bias_act",
+    "bias_act_backward",
+    "device_info",
+    "is_available",
+    "to_torch",
+    "use_torch_allocator",
+]
+
+_LAZY = {"nn", "optim", "testing", "torch"}  # these import torch or hypothesis: load on first use
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f"cukit.{name}")
+    raise AttributeError(f"module 'cukit' has no attribute {name!r}")

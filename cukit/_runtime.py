@@ -1,0 +1,382 @@
+"""The one kernel loader: read ``raw_kernels/<name>.cu``, compile it with NVRTC (through CuPy on a GPU,
+through cuda.bindings offline), cache per (file, instantiation group, device), launch with typed
+arguments on the right stream.
+
+A kernel file is declared once, by the op that uses it::
+
+    BIAS_ACT = KernelModule(
+        "bias_act.cu",
+        instantiations={"float32": ["bias_act_fwd<float, 0, 4, int>", ...], ...},
+        signatures={"bias_act_fwd": "ptr ptr ptr i64 i64", ...},
+    )
+
+``instantiations`` groups the template instantiations (NVRTC name expressions) that are compiled
+together; one group is compiled on first use of any of its members. ``signatures`` gives each
+kernel's parameter types, so Python numbers are sent with the width the kernel expects (CuPy sends
+a Python float as a double, silently). ``cukit check-kernels`` compiles every declared
+instantiation of every module without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.resources
+import operator
+import os
+import sys
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "KernelCompileError",
+    "KernelModule",
+    "all_modules",
+    "cuda_include_dirs",
+    "include_dir",
+    "kernel_dir",
+]
+
+# Modules that declare kernels; `all_modules()` imports them so the registry is complete.
+_KERNEL_OWNERS = ("cukit.ops.bias_act",)
+
+# Options shared by the CuPy path and the offline path. CuPy adds -ftz=true itself; the offline
+# compiler adds it too, so both compile the same code.
+BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel: names the .cu file, the instantiation(s) and carries the log."""
+
+    def __init__(self, file: str, instantiation: str, log: str, arch: str | None = None) -> None:
+        self.file = file
+        self.instantiation = instantiation
+        self.log = log
+        self.arch = arch
+        where = f" for {arch}" if arch else ""
+        super().__init__(f"failed to compile {file} [{instantiation}]{where}:\n{log.strip()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Where the sources are
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_dir() -> Path:
+    """The directory holding the .cu files: ``cukit/raw_kernels`` in a wheel, ``raw_kernels/`` in
+    an editable install (setuptools maps it there)."""
+    try:
+        res = importlib.resources.files("cukit.raw_kernels")
+        # A namespace package gives a MultiplexedPath; take its first real directory.
+        paths = getattr(res, "_paths", None) or [res]
+        for p in paths:
+            p = Path(str(p))
+            if (p / "include").is_dir():
+                return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    here = Path(__file__).resolve().parent
+    for p in (here / "raw_kernels", here.parent / "raw_kernels"):
+        if (p / "include").is_dir():
+            return p
+    raise FileNotFoundError("cukit's raw_kernels directory is missing from this installation")
+
+
+def include_dir() -> Path:
+    """The directory passed with -I: kernels write ``#include <cukit/...cuh>``."""
+    return kernel_dir() / "include"
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """CUDA's own headers (cuda_fp16.h, cuda_bf16.h): from the CUDA toolkit, or from NVIDIA's PyPI
+    wheels when there is no toolkit. Empty when none is found (NVRTC may still know them)."""
+    found: list[str] = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        root = os.environ.get(var)
+        if root and Path(root, "include", "cuda_fp16.h").is_file():
+            found.append(str(Path(root, "include")))
+    for root in ("/usr/local/cuda",):
+        if Path(root, "include", "cuda_fp16.h").is_file():
+            found.append(str(Path(root, "include")))
+    for entry in sys.path:
+        base = Path(entry or ".", "nvidia")
+        if not base.is_dir():
+            continue
+        for inc in sorted(base.glob("*/include")):
+            if (inc / "cuda_fp16.h").is_file():
+                found.append(str(inc))
+    seen: dict[str, None] = {}
+    for f in found:
+        seen.setdefault(os.path.realpath(f), None)
+    return tuple(seen)
+
+
+def headers_digest(root: Path | None = None) -> str:
+    """A hash of every header under the include directory (names and contents)."""
+    root = include_dir() if root is None else root
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.cuh")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(b"\0")
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _headers_digest_cached() -> str:
+    return headers_digest()
+
+
+def prepare_source(text: str, digest: str) -> str:
+    """The source handed to NVRTC. CuPy's cache key hashes the source and options but not the
+    headers pulled in through -I, so the headers' digest goes into the source: editing a header
+    changes the key and forces a recompile."""
+    return f"// cukit headers {digest}\n{text}"
+
+
+# --------------------------------------------------------------------------------------------
+# Typed launch arguments
+# --------------------------------------------------------------------------------------------
+
+_SCALAR_TYPES: dict[str, type] = {
+    "i32": np.int32,
+    "i64": np.int64,
+    "u64": np.uint64,
+    "f32": np.float32,
+    "f64": np.float64,
+}
+
+
+def _pointer(v: Any, kernel: str, i: int) -> int:
+    if v is None:
+        return 0
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    ptr = getattr(v, "data_ptr", None)
+    if ptr is not None:  # torch.Tensor
+        return ptr()
+    data = getattr(v, "data", None)
+    if data is not None and hasattr(data, "ptr"):  # cupy.ndarray
+        return data.ptr
+    raise TypeError(f"{kernel}: argument {i} is a pointer; got {type(v).__qualname__}")
+
+
+def convert_args(kernel: str, signature: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+    """Turn launch arguments into what the kernel's C signature expects: pointers from arrays,
+    scalars as NumPy scalars of the declared width (never a Python float, which CuPy sends as a
+    double)."""
+    if len(args) != len(signature):
+        raise TypeError(f"{kernel} takes {len(signature)} arguments ({' '.join(signature)}), got {len(args)}")
+    out: list[Any] = []
+    for i, (kind, v) in enumerate(zip(signature, args, strict=True)):
+        if kind == "ptr":
+            out.append(_pointer(v, kernel, i))
+            continue
+        typ = _SCALAR_TYPES[kind]
+        if isinstance(v, np.generic) and type(v) is typ:
+            out.append(v)
+        elif kind[0] in "iu":
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{kernel}: argument {i} is {kind}; got {type(v).__qualname__}")
+            try:
+                out.append(typ(operator.index(v)))
+            except OverflowError:
+                raise ValueError(f"{kernel}: argument {i} = {v} does not fit in {kind}") from None
+        else:
+            if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool):
+                raise TypeError(f"{kernel}: argument {i} is {kind}; got {type(v).__qualname__}")
+            out.append(typ(v))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel modules
+# --------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, KernelModule] = {}
+
+
+@dataclass
+class KernelModule:
+    """One .cu file, its declared instantiations and its kernels' signatures."""
+
+    file: str  # relative to raw_kernels/, or an absolute path for a user's own kernel file
+    instantiations: Mapping[str, Sequence[str]]
+    signatures: Mapping[str, str]
+    options: tuple[str, ...] = ()
+    register: bool = True  # list it in all_modules() (and so in `cukit check-kernels`)
+    _signatures: dict[str, tuple[str, ...]] = field(init=False, repr=False)
+    _group_of: dict[str, str] = field(init=False, repr=False)
+    _functions: dict[tuple[str, int], Any] = field(init=False, repr=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    compiles: int = field(init=False, default=0)  # how many groups this process compiled
+
+    def __post_init__(self) -> None:
+        self._signatures = {k: tuple(v.split()) for k, v in self.signatures.items()}
+        for kinds in self._signatures.values():
+            bad = [k for k in kinds if k != "ptr" and k not in _SCALAR_TYPES]
+            if bad:
+                raise ValueError(f"{self.file}: unknown argument kinds {bad}")
+        self._group_of = {}
+        for group, exprs in self.instantiations.items():
+            for e in exprs:
+                if _template_name(e) not in self._signatures:
+                    raise ValueError(f"{self.file}: no signature declared for {e}")
+                self._group_of[e] = group
+        if self.register:
+            _REGISTRY[self.file] = self
+
+    # -- source --------------------------------------------------------------------------------
+    def read_source(self) -> str:
+        path = Path(self.file) if os.path.isabs(self.file) else kernel_dir() / self.file
+        try:
+            return path.read_text()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"kernel source {self.file} is missing from {kernel_dir()}") from None
+
+    def compile_options(self) -> tuple[str, ...]:
+        return (*BASE_OPTIONS, f"-I{include_dir()}", *(f"-I{d}" for d in cuda_include_dirs()), *self.options)
+
+    def all_instantiations(self) -> list[str]:
+        return [e for exprs in self.instantiations.values() for e in exprs]
+
+    # -- GPU path (CuPy) -----------------------------------------------------------------------
+    def function(self, name_expr: str, device: int) -> Any:
+        """The compiled kernel for one instantiation on one device (compiled on first use)."""
+        key = (name_expr, device)
+        fn = self._functions.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._functions.get(key)
+            if fn is None:
+                self._compile_group(self._group(name_expr), device)
+                fn = self._functions[key]
+        return fn
+
+    def _group(self, name_expr: str) -> str:
+        try:
+            return self._group_of[name_expr]
+        except KeyError:
+            raise ValueError(f"{self.file}: {name_expr} is not a declared instantiation") from None
+
+    def _compile_group(self, group: str, device: int) -> None:
+        import cupy
+
+        exprs = list(self.instantiations[group])
+        src = prepare_source(self.read_source(), _headers_digest_cached())
+        with cupy.cuda.Device(device):
+            module = cupy.RawModule(code=src, options=self.compile_options(), name_expressions=exprs)
+            try:
+                fns = {e: module.get_function(e) for e in exprs}
+            except cupy.cuda.compiler.CompileException as e:
+                raise KernelCompileError(self.file, ", ".join(exprs), e.get_message()) from None
+        self.compiles += 1
+        for e, fn in fns.items():
+            self._functions[(e, device)] = fn
+
+    def launch(
+        self,
+        name_expr: str,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: Sequence[Any],
+        *,
+        device: int,
+        stream: Any,
+        shared_mem: int = 0,
+    ) -> None:
+        """Launch one instantiation. `stream` is an object with ``.ptr`` (see
+        ``cukit.interop.current_stream``); `args` are converted by the kernel's signature."""
+        import cupy
+
+        fn = self.function(name_expr, device)
+        typed = convert_args(name_expr, self._signatures[_template_name(name_expr)], args)
+        if cupy.cuda.runtime.getDevice() == device:
+            fn(grid, block, typed, shared_mem=shared_mem, stream=stream)
+        else:  # a kernel runs in its device's context: switch for tensors on another GPU
+            with cupy.cuda.Device(device):
+                fn(grid, block, typed, shared_mem=shared_mem, stream=stream)
+
+    # -- offline path (no GPU) ---------------------------------------------------------------
+    def compile_offline(self, arch: str, groups: Iterable[str] | None = None) -> int:
+        """Compile every declared instantiation for `arch` (e.g. "sm_90") through NVRTC, without a
+        GPU. Returns how many instantiations compiled; raises KernelCompileError otherwise."""
+        n = 0
+        for group in self.instantiations if groups is None else groups:
+            exprs = list(self.instantiations[group])
+            _nvrtc_compile(self.file, prepare_source(self.read_source(), headers_digest()), exprs,
+                           (*self.compile_options(), "-ftz=true"), arch)
+            n += len(exprs)
+        return n
+
+
+def _template_name(name_expr: str) -> str:
+    return name_expr.split("<", 1)[0].strip()
+
+
+def all_modules() -> dict[str, KernelModule]:
+    """Every declared kernel module, by file name."""
+    for owner in _KERNEL_OWNERS:
+        importlib.import_module(owner)
+    return dict(_REGISTRY)
+
+
+def _nvrtc_compile(file: str, source: str, exprs: Sequence[str], options: Sequence[str], arch: str) -> None:
+    """Compile with cuda.bindings.nvrtc (no device needed) and check every name expression
+    resolves to a kernel."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        raise RuntimeError(
+            "offline compilation needs cuda-bindings and NVRTC: pip install 'cukit[nvrtc]'"
+        ) from None
+
+    def check(result: Any, what: str) -> None:
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(file, ", ".join(exprs), f"{what}: {result.name}", arch)
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), file.encode(), 0, [], [])
+    check(err, "nvrtcCreateProgram")
+    try:
+        for e in exprs:
+            check(nvrtc.nvrtcAddNameExpression(prog, e.encode())[0], f"nvrtcAddNameExpression({e})")
+        opts = [o.encode() for o in (*options, f"--gpu-architecture={arch}")]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise KernelCompileError(file, ", ".join(exprs), log.decode(errors="replace").rstrip("\0"), arch)
+        for e in exprs:
+            err, lowered = nvrtc.nvrtcGetLoweredName(prog, e.encode())
+            if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or not lowered:
+                raise KernelCompileError(file, e, "name expression did not resolve to a kernel", arch)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def nvrtc_version() -> str | None:
+    """NVRTC's version as "major.minor" (CuPy's on a GPU machine, else cuda.bindings'), or None."""
+    try:
+        import cupy
+
+        major, minor = cupy.cuda.nvrtc.getVersion()
+        return f"{major}.{minor}"
+    except Exception:
+        pass
+    try:
+        from cuda.bindings import nvrtc
+
+        _, major, minor = nvrtc.nvrtcVersion()
+        return f"{major}.{minor}"
+    except Exception:
+        return None

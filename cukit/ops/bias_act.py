@@ -1,0 +1,376 @@
+"""Fused bias + activation: ``y = act(x + bias)``, bias broadcast over the last dimension.
+
+Kernels: ``raw_kernels/bias_act.cu``. The NumPy and torch references below are the CPU fallbacks
+and the test oracles. torch registration (autograd, torch.compile, CUDA graphs):
+``cukit/torch/bias_act.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from cukit._device import sm_count
+from cukit._runtime import KernelModule
+from cukit.interop import DType, array_kind, current_stream, device_of, dtype_of
+
+__all__ = ["ACTIVATIONS", "bias_act", "bias_act_backward", "reference_numpy", "reference_torch"]
+
+# Ids match enum Activation in raw_kernels/include/cukit/activations.cuh.
+ACTIVATIONS: dict[str, int] = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+
+
+def _vec_widths(dt: str) -> tuple[int, int]:
+    return (16 // {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dt], 1)
+
+
+def _instantiations() -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for dt in FLOAT_DTYPES:
+        c = _CTYPES[dt]
+        exprs: list[str] = []
+        for a in ACTIVATIONS.values():
+            for v in _vec_widths(dt):
+                exprs += [f"bias_act_fwd<{c}, {a}, {v}, {idx}>" for idx in ("int", "long long")]
+                exprs.append(f"bias_act_bwd<{c}, {a}, {v}>")
+        exprs.append(f"bias_act_bwd_reduce<{c}>")
+        groups[dt] = exprs
+    return groups
+
+
+KERNELS = KernelModule(
+    "bias_act.cu",
+    instantiations=_instantiations(),
+    signatures={
+        "bias_act_fwd": "ptr ptr ptr i64 i64",
+        "bias_act_bwd": "ptr ptr ptr ptr ptr i64 i64 i64",
+        "bias_act_bwd_reduce": "ptr ptr i64 i64",
+    },
+)
+
+_BLOCK = 256
+_FWD_UNROLL = 4  # FWD_UNROLL in bias_act.cu
+_INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def activation_id(activation: str) -> int:
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}; got {activation!r}"
+        ) from None
+
+
+def validate(x: Any, bias: Any, activation: str) -> tuple[str, int, DType]:
+    """Check the arguments of bias_act and return (array kind, activation id, dtype)."""
+    kind = array_kind(x)
+    if array_kind(bias) != kind:
+        raise TypeError(f"bias must be the same array type as x ({kind}); got {type(bias).__qualname__}")
+    act = activation_id(activation)
+    dt = dtype_of(x)
+    if dt.name not in FLOAT_DTYPES:
+        raise TypeError(f"x must have a floating dtype ({', '.join(FLOAT_DTYPES)}); got {dt}")
+    if dtype_of(bias) != dt:
+        raise TypeError(f"bias must have x's dtype {dt}; got {dtype_of(bias)}")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (bias broadcasts over the last)")
+    if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(f"bias must have shape ({x.shape[-1]},) to match x's last dimension; got {tuple(bias.shape)}")
+    dx, db = device_of(x), device_of(bias)
+    if dx != db:
+        raise ValueError(f"x and bias must be on the same device; got {_where(dx)} and {_where(db)}")
+    return kind, act, dt
+
+
+def _where(d: int | None) -> str:
+    return "the CPU" if d is None else f"cuda:{d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def bias_act(x: Any, bias: Any, activation: str = "relu") -> Any:
+    """Fused bias + activation: ``y = act(x + bias)``.
+
+    Args:
+        x: array of shape (..., C), float16, bfloat16, float32 or float64; NumPy, CuPy or torch
+            (CPU or CUDA). Non-contiguous inputs are copied to a contiguous buffer first.
+        bias: array of shape (C,), same type, dtype and device as x.
+        activation: "relu", "gelu" (exact, erf), "gelu_tanh" (tanh approximation) or "silu".
+
+    Returns:
+        y, contiguous, same shape, dtype and array type as x. CUDA inputs run one fused kernel
+        (maths in float32 for the 16-bit types); NumPy and torch-CPU inputs run the reference.
+        torch tensors are differentiable (x and bias) and work under torch.compile and CUDA graphs.
+
+    See also: ``torch.nn.functional.gelu(x + bias)``, ``torch.nn.functional.silu``, ``numpy.maximum``.
+    """
+    kind, act, _ = validate(x, bias, activation)
+    if kind == "torch":
+        from cukit.torch.bias_act import bias_act as torch_bias_act
+
+        return torch_bias_act(x, bias, activation)
+    if kind == "cupy":
+        return forward_gpu(x, bias, act)
+    return reference_numpy(x, bias, activation)
+
+
+def bias_act_backward(grad: Any, x: Any, bias: Any, activation: str = "relu") -> tuple[Any, Any]:
+    """Gradients of bias_act: ``dx = grad * act'(x + bias)``, ``dbias = dx summed over all but the
+    last dimension``.
+
+    For NumPy and CuPy users (torch users get this through autograd). grad has x's shape, dtype
+    and type. dbias accumulates in float32 (float64 for float64) with a fixed summation order, so
+    it is bitwise reproducible on a given GPU.
+
+    See also: ``torch.autograd.grad``.
+    """
+    kind, act, _ = validate(x, bias, activation)
+    if array_kind(grad) != kind or dtype_of(grad) != dtype_of(x) or tuple(grad.shape) != tuple(x.shape):
+        raise ValueError(f"grad must match x's type, dtype and shape {tuple(x.shape)}")
+    if device_of(grad) != device_of(x):
+        raise ValueError("grad must be on x's device")
+    if kind == "torch":
+        import torch
+
+        from cukit.torch import bias_act as _reg  # noqa: F401
+
+        return tuple(torch.ops.cukit.bias_act_backward(grad, x, bias, activation))  # type: ignore[return-value]
+    if kind == "cupy":
+        return backward_gpu(grad, x, bias, act)
+    return reference_backward_numpy(grad, x, bias, activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU path (CuPy arrays and torch CUDA tensors)
+# ---------------------------------------------------------------------------------------------
+
+
+def _contiguous(a: Any, kind: str) -> Any:
+    if kind == "torch":
+        return a.contiguous()
+    import cupy
+
+    return cupy.ascontiguousarray(a)
+
+
+def _empty(shape: tuple[int, ...], like: Any, kind: str, dtype: str | None = None) -> Any:
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else like.dtype, device=like.device)
+    import cupy
+
+    return cupy.empty(shape, dtype=dtype or like.dtype)
+
+
+def _ptr(a: Any, kind: str) -> int:
+    return a.data_ptr() if kind == "torch" else a.data.ptr
+
+
+def _vec(dt: DType, C: int, ptrs: list[int]) -> int:
+    v = 16 // dt.itemsize
+    if C % v == 0 and all(p % 16 == 0 for p in ptrs):
+        return v
+    return 1
+
+
+def forward_gpu(x: Any, bias: Any, act: int) -> Any:
+    """Launch the forward kernel on a validated CuPy array or torch CUDA tensor pair."""
+    kind = "torch" if array_kind(x) == "torch" else "cupy"
+    x = _contiguous(x, kind)
+    bias = _contiguous(bias, kind)
+    y = _empty(tuple(x.shape), x, kind)
+    n = math.prod(x.shape)
+    if n == 0:
+        return y
+    C = int(bias.shape[0])
+    dt = dtype_of(x)
+    device = device_of(x)
+    assert device is not None
+    px, pb, py = _ptr(x, kind), _ptr(bias, kind), _ptr(y, kind)
+    vec = _vec(dt, C, [px, pb, py])
+    nv = n // vec
+    blocks = max(1, min(-(-nv // _BLOCK), sm_count(device) * (2048 // _BLOCK)))
+    # int indexing while no index the kernel forms (up to nv + FWD_UNROLL * threads) can overflow
+    index = "int" if nv + _FWD_UNROLL * blocks * _BLOCK <= _INT32_MAX else "long long"
+    KERNELS.launch(
+        f"bias_act_fwd<{dt.ctype}, {act}, {vec}, {index}>",
+        (blocks,),
+        (_BLOCK,),
+        (px, pb, py, n, C),
+        device=device,
+        stream=current_stream(device, kind == "torch"),
+    )
+    return y
+
+
+def backward_gpu(grad: Any, x: Any, bias: Any, act: int) -> tuple[Any, Any]:
+    """Launch the two backward kernels; returns (dx, dbias)."""
+    kind = "torch" if array_kind(x) == "torch" else "cupy"
+    grad = _contiguous(grad, kind)
+    x = _contiguous(x, kind)
+    bias = _contiguous(bias, kind)
+    dx = _empty(tuple(x.shape), x, kind)
+    C = int(bias.shape[0])
+    n = math.prod(x.shape)
+    dt = dtype_of(x)
+    if n == 0:
+        dbias = _empty((C,), bias, kind)
+        dbias[...] = 0
+        return dx, dbias
+    dbias = _empty((C,), bias, kind)
+    rows = n // C
+    device = device_of(x)
+    assert device is not None
+    pg, px, pb, pdx = _ptr(grad, kind), _ptr(x, kind), _ptr(bias, kind), _ptr(dx, kind)
+    vec = _vec(dt, C, [pg, px, pb, pdx])
+    cv = C // vec
+    bx = min(32, 1 << (cv - 1).bit_length())
+    by = _BLOCK // bx
+    col_blocks = -(-cv // bx)
+    target_blocks = sm_count(device) * (2048 // _BLOCK)
+    splits = max(1, min(-(-target_blocks // col_blocks), -(-rows // by), 65535))
+    rows_per_split = -(-rows // splits)
+    splits = -(-rows // rows_per_split)
+    acc = "float64" if dt.name == "float64" else "float32"
+    partial = _empty((splits, C), x, kind, acc)
+    stream = current_stream(device, kind == "torch")
+    acc_size = 8 if acc == "float64" else 4
+    KERNELS.launch(
+        f"bias_act_bwd<{dt.ctype}, {act}, {vec}>",
+        (col_blocks, splits),
+        (bx, by),
+        (pg, px, pb, pdx, _ptr(partial, kind), rows, C, rows_per_split),
+        device=device,
+        stream=stream,
+        shared_mem=bx * by * vec * acc_size,
+    )
+    KERNELS.launch(
+        f"bias_act_bwd_reduce<{dt.ctype}>",
+        (max(1, min(-(-C // _BLOCK), target_blocks)),),
+        (_BLOCK,),
+        (_ptr(partial, kind), _ptr(dbias, kind), splits, C),
+        device=device,
+        stream=stream,
+    )
+    return dx, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# References: CPU fallbacks and test oracles
+# ---------------------------------------------------------------------------------------------
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _np_erf(z: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.special import erf
+    except ImportError:  # exact, but a Python call per element
+        return np.frompyfunc(math.erf, 1, 1)(z).astype(np.float64)
+    return erf(z)
+
+
+def _np_act(z: np.ndarray, activation: str) -> np.ndarray:
+    if activation == "relu":
+        return np.maximum(z, 0.0)
+    if activation == "gelu":
+        return 0.5 * z * (1.0 + _np_erf(z * _INV_SQRT2))
+    if activation == "gelu_tanh":
+        return 0.5 * z * (1.0 + np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3)))
+    with np.errstate(over="ignore"):
+        return z / (1.0 + np.exp(-z))
+
+
+def _np_act_grad(z: np.ndarray, activation: str) -> np.ndarray:
+    if activation == "relu":
+        return (z > 0).astype(np.float64)
+    if activation == "gelu":
+        return 0.5 * (1.0 + _np_erf(z * _INV_SQRT2)) + z * _INV_SQRT_2PI * np.exp(-0.5 * z * z)
+    if activation == "gelu_tanh":
+        t = np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-z))
+    return s * (1.0 + z * (1.0 - s))
+
+
+def reference_numpy(x: np.ndarray, bias: np.ndarray, activation: str) -> np.ndarray:
+    """NumPy bias_act, computed in float64 and rounded once to x's dtype."""
+    activation_id(activation)
+    z = np.asarray(x, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
+    return np.ascontiguousarray(_np_act(z, activation).astype(x.dtype))
+
+
+def reference_backward_numpy(
+    grad: np.ndarray, x: np.ndarray, bias: np.ndarray, activation: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy bias_act backward in float64: (dx, dbias) in x's dtype."""
+    z = np.asarray(x, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
+    g = np.asarray(grad, dtype=np.float64) * _np_act_grad(z, activation)
+    dbias = g.reshape(-1, x.shape[-1]).sum(axis=0) if g.size else np.zeros(x.shape[-1])
+    return np.ascontiguousarray(g.astype(x.dtype)), dbias.astype(bias.dtype)
+
+
+def _torch_act(z: Any, activation: str) -> Any:
+    import torch
+
+    if activation == "relu":
+        return torch.clamp_min(z, 0)
+    if activation == "gelu":
+        return 0.5 * z * (1 + torch.erf(z * _INV_SQRT2))
+    if activation == "gelu_tanh":
+        return 0.5 * z * (1 + torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
+    return z * torch.sigmoid(z)
+
+
+def _torch_act_grad(z: Any, activation: str) -> Any:
+    import torch
+
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "gelu":
+        return 0.5 * (1 + torch.erf(z * _INV_SQRT2)) + z * _INV_SQRT_2PI * torch.exp(-0.5 * z * z)
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+def _acc_dtype(t: Any) -> Any:
+    import torch
+
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def reference_torch(x: Any, bias: Any, activation: str) -> Any:
+    """torch bias_act with the kernel's maths (float32 for the 16-bit types); the torch-CPU fallback."""
+    activation_id(activation)
+    acc = _acc_dtype(x)
+    z = x.to(acc) + bias.to(acc)
+    return _torch_act(z, activation).to(x.dtype).contiguous()
+
+
+def reference_backward_torch(grad: Any, x: Any, bias: Any, activation: str) -> tuple[Any, Any]:
+    """torch bias_act backward with the kernel's maths; returns (dx, dbias)."""
+    acc = _acc_dtype(x)
+    z = x.to(acc) + bias.to(acc)
+    g = grad.to(acc) * _torch_act_grad(z, activation)
+    dbias = g.reshape(-1, x.shape[-1]).sum(0) if g.numel() else g.new_zeros(x.shape[-1])
+    return g.to(x.dtype).contiguous(), dbias.to(bias.dtype)
