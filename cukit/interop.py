@@ -227,8 +227,10 @@ _TORCH_ALLOCATOR: Any = None
 def use_torch_allocator() -> None:
     """Make CuPy allocate device memory through torch's caching allocator: one pool, not two.
 
-    Allocations are made on torch's current stream of the current device, and freed back to
-    torch's pool, where torch can reuse them. Call once, before allocating CuPy arrays.
+    Each block is allocated for CuPy's current stream (the stream CuPy's own work on it will be
+    queued on), so torch's allocator reuses it only after that stream's work, and is freed back to
+    torch's pool. Memory used on other streams follows torch's usual rule (``record_stream`` or a
+    synchronisation before the array is freed). Call once, before allocating CuPy arrays.
 
     See also: ``cupy.cuda.set_allocator``, ``torch.cuda.caching_allocator_alloc``.
     """
@@ -240,7 +242,7 @@ def use_torch_allocator() -> None:
         raise RuntimeError("cukit.use_torch_allocator: torch sees no CUDA device")
 
     def malloc(size: int, device: int) -> int:
-        return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device).cuda_stream)
+        return torch.cuda.caching_allocator_alloc(size, device, cupy.cuda.get_current_stream(device).ptr)
 
     def free(ptr: int, device: int) -> None:
         torch.cuda.caching_allocator_delete(ptr)

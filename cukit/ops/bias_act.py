@@ -14,31 +14,27 @@ import numpy as np
 
 from cukit._device import sm_count
 from cukit._runtime import KernelModule
-from cukit.interop import DType, array_kind, current_stream, device_of, dtype_of
+from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of, dtype_of
 
 __all__ = ["ACTIVATIONS", "bias_act", "bias_act_backward", "reference_numpy", "reference_torch"]
 
 # Ids match enum Activation in raw_kernels/include/cukit/activations.cuh.
 ACTIVATIONS: dict[str, int] = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
-
-
-def _vec_widths(dt: str) -> tuple[int, int]:
-    return (16 // {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dt], 1)
 
 
 def _instantiations() -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
-    for dt in FLOAT_DTYPES:
-        c = _CTYPES[dt]
+    for name in FLOAT_DTYPES:
+        dt = DTYPES[name]
         exprs: list[str] = []
         for a in ACTIVATIONS.values():
-            for v in _vec_widths(dt):
-                exprs += [f"bias_act_fwd<{c}, {a}, {v}, {idx}>" for idx in ("int", "long long")]
-                exprs.append(f"bias_act_bwd<{c}, {a}, {v}>")
-        exprs.append(f"bias_act_bwd_reduce<{c}>")
-        groups[dt] = exprs
+            for v in (16 // dt.itemsize, 1):  # the 16-byte vector path and the scalar path
+                exprs += [f"bias_act_fwd<{dt.ctype}, {a}, {v}, {idx}>" for idx in ("int", "long long")]
+                exprs.append(f"bias_act_fwd_rows<{dt.ctype}, {a}, {v}>")
+                exprs.append(f"bias_act_bwd<{dt.ctype}, {a}, {v}>")
+        exprs.append(f"bias_act_bwd_reduce<{dt.ctype}>")
+        groups[name] = exprs
     return groups
 
 
@@ -47,13 +43,16 @@ KERNELS = KernelModule(
     instantiations=_instantiations(),
     signatures={
         "bias_act_fwd": "ptr ptr ptr i64 i64",
+        "bias_act_fwd_rows": "ptr ptr ptr i64 i64",
         "bias_act_bwd": "ptr ptr ptr ptr ptr i64 i64 i64",
         "bias_act_bwd_reduce": "ptr ptr i64 i64",
     },
 )
 
 _BLOCK = 256
-_FWD_UNROLL = 4  # FWD_UNROLL in bias_act.cu
+_FWD_UNROLL = 4  # >= FWD_UNROLL in bias_act.cu (bounds the indices the flat kernel forms)
+_FWD_BLOCKS_PER_SM = 16  # two waves of 8 resident 256-thread blocks
+_ROWS_MIN_VECTORS = 32  # rows of at least a warp's worth of vectors take bias_act_fwd_rows
 _INT32_MAX = 2**31 - 1
 
 
@@ -202,8 +201,25 @@ def forward_gpu(x: Any, bias: Any, act: int) -> Any:
     assert device is not None
     px, pb, py = _ptr(x, kind), _ptr(bias, kind), _ptr(y, kind)
     vec = _vec(dt, C, [px, pb, py])
+    cv = C // vec
+    stream = current_stream(device, kind == "torch")
+    if cv >= _ROWS_MIN_VECTORS:
+        rows = n // C
+        bx = min(_BLOCK, 1 << (cv - 1).bit_length())
+        by = _BLOCK // bx
+        col_blocks = -(-cv // bx)
+        row_blocks = max(1, min(-(-rows // by), -(-sm_count(device) * _FWD_BLOCKS_PER_SM // col_blocks), 65535))
+        KERNELS.launch(
+            f"bias_act_fwd_rows<{dt.ctype}, {act}, {vec}>",
+            (col_blocks, row_blocks),
+            (bx, by),
+            (px, pb, py, rows, C),
+            device=device,
+            stream=stream,
+        )
+        return y
     nv = n // vec
-    blocks = max(1, min(-(-nv // _BLOCK), sm_count(device) * (2048 // _BLOCK)))
+    blocks = max(1, min(-(-nv // _BLOCK), sm_count(device) * _FWD_BLOCKS_PER_SM))
     # int indexing while no index the kernel forms (up to nv + FWD_UNROLL * threads) can overflow
     index = "int" if nv + _FWD_UNROLL * blocks * _BLOCK <= _INT32_MAX else "long long"
     KERNELS.launch(
@@ -212,7 +228,7 @@ def forward_gpu(x: Any, bias: Any, act: int) -> Any:
         (_BLOCK,),
         (px, pb, py, n, C),
         device=device,
-        stream=current_stream(device, kind == "torch"),
+        stream=stream,
     )
     return y
 

@@ -1,0 +1,571 @@
+"""``cukit demo``: train the same small model twice, once with stock torch and once with cukit's
+kernels, and print a side-by-side table (accuracy, loss, milliseconds per step, speed-up).
+
+The data set is scikit-learn's handwritten digits (1797 8x8 images, shipped inside the package: no
+download). Both runs start from identical weights, see the same mini-batches in the same order and
+use the same optimizer, so their loss curves must agree to rounding error: the demo checks that and
+exits with status 1 when they do not.
+
+The demo is a list of experiments (:data:`EXPERIMENTS`); each is a function that takes the parsed
+options and returns rows for the table plus notes. Today there is one:
+
+* ``mlp``: 64 -> 256 -> 256 -> 10 MLP. Stock: ``nn.Linear`` (with bias) + the activation from
+  ``torch.nn.functional``. cukit: ``nn.Linear(bias=False)`` + :class:`cukit.nn.BiasAct`.
+
+Usage::
+
+    cukit demo                              # or: python -m cukit demo, make demo
+    cukit demo -- --epochs 5 --device cpu --activation relu
+
+From Python: ``cukit.demo.run_mlp(epochs=5, device="cpu")`` returns the numbers as a dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cukit
+from cukit.ops.bias_act import ACTIVATIONS as _BIAS_ACT_ACTIVATIONS
+
+__all__ = [
+    "EXPERIMENTS",
+    "DemoOptions",
+    "ExperimentResult",
+    "Row",
+    "default_optimizer",
+    "device_label",
+    "format_table",
+    "load_digits",
+    "main",
+    "mlp_experiment",
+    "resolve_device",
+    "run_mlp",
+]
+
+ACTIVATIONS = tuple(_BIAS_ACT_ACTIVATIONS)
+
+#: Builds an optimizer for a model's parameters, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+#: Largest acceptable max |loss_torch - loss_cukit| over a run; the maths is the same, so anything
+#: beyond rounding error (amplified a little by many optimizer steps) is a bug.
+LOSS_TOLERANCE = 1e-3
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The demo's optimizer: ``torch.optim.AdamW(lr=1e-3, weight_decay=1e-2)``."""
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and data
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device(choice: str = "auto") -> torch.device:
+    """The torch device for ``--device``: "auto" picks CUDA when both torch and CuPy see a GPU.
+
+    Raises RuntimeError for "cuda" when torch or CuPy cannot use a GPU, and ValueError for an
+    unknown choice.
+    """
+    gpu = torch.cuda.is_available() and cukit.is_available()
+    if choice == "auto":
+        return torch.device("cuda" if gpu else "cpu")
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "--device cuda: this torch build sees no CUDA device (torch.cuda.is_available())"
+            )
+        if not cukit.is_available():
+            raise RuntimeError(
+                "--device cuda: CuPy sees no CUDA device, so cukit's kernels cannot run "
+                "(install cupy-cuda12x or cupy-cuda13x; see `cukit info`)"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {choice!r}")
+
+
+def device_label(device: torch.device) -> str:
+    """The device's name for the table: "CPU", or the GPU's name (from :func:`cukit.device_info`,
+    else from torch)."""
+    if device.type != "cuda":
+        return "CPU"
+    name = cukit.device_info(device.index).get("name")
+    return str(name) if name else torch.cuda.get_device_name(device)
+
+
+@dataclass(frozen=True)
+class Digits:
+    """The digits data set, standardised and split, as tensors on one device."""
+
+    x_train: torch.Tensor  # (n_train, 64) float32
+    y_train: torch.Tensor  # (n_train,) int64
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+@functools.lru_cache(maxsize=4)
+def _digits_numpy(seed: int, test_size: float) -> tuple[Any, Any, Any, Any]:
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+        from sklearn.model_selection import train_test_split
+        from sklearn.preprocessing import StandardScaler
+    except ImportError:
+        raise ImportError(
+            "the cukit demo needs scikit-learn for its data set: pip install 'cukit[demo]'"
+        ) from None
+    x, y = sk_load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
+    scaler = StandardScaler().fit(x_tr)  # statistics from the training split only
+    return scaler.transform(x_tr), scaler.transform(x_te), y_tr, y_te
+
+
+def load_digits(device: torch.device | str = "cpu", *, seed: int = 0, test_size: float = 0.2) -> Digits:
+    """scikit-learn's digits (1797 samples, 64 features, 10 classes): a stratified train/test split
+    seeded by ``seed``, features standardised with the training split's mean and std."""
+    x_tr, x_te, y_tr, y_te = _digits_numpy(seed, test_size)
+
+    def f32(a: Any) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=torch.float32).to(device)
+
+    def i64(a: Any) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=torch.int64).to(device)
+
+    return Digits(f32(x_tr), i64(y_tr), f32(x_te), i64(y_te))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training one variant
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    """One side of a comparison: a name, a model, and the optimizer to train it with."""
+
+    name: str
+    description: str
+    model: nn.Module
+    optimizer: OptimizerFactory = default_optimizer
+
+
+@dataclass
+class TrainResult:
+    """What training one variant produced."""
+
+    losses: list[float]  # per step, in order
+    step_ms: list[float]  # per step, warm-up steps included
+    steps_per_epoch: int
+    test_accuracy: float
+    warmup_steps: int
+
+    @property
+    def final_loss(self) -> float:
+        """Mean training loss over the last epoch."""
+        last = self.losses[-self.steps_per_epoch :]
+        return sum(last) / len(last) if last else float("nan")
+
+    @property
+    def ms_per_step(self) -> float:
+        """Median milliseconds per training step, warm-up steps excluded."""
+        timed = self.step_ms[self.warmup_steps :] or self.step_ms
+        return statistics.median(timed) if timed else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def epoch_orders(n: int, epochs: int, seed: int) -> list[torch.Tensor]:
+    """The sample order of every epoch, drawn once from ``seed`` so every variant sees the same
+    mini-batches in the same order."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(n, generator=g) for _ in range(epochs)]
+
+
+def train(
+    variant: Variant,
+    data: Digits,
+    orders: Sequence[torch.Tensor],
+    *,
+    batch_size: int,
+    warmup_steps: int = 10,
+) -> TrainResult:
+    """Train ``variant.model`` with cross-entropy over ``orders`` (one permutation per epoch) and
+    evaluate on the test split.
+
+    Each step is timed on its own: the device is synchronised before reading the clock on both
+    sides, and the batch is gathered before the clock starts. Losses stay on the device until the
+    end (no host sync inside the step).
+    """
+    device = data.x_train.device
+    model = variant.model
+    opt = variant.optimizer(model.parameters())
+    n = data.x_train.shape[0]
+    steps_per_epoch = -(-n // batch_size)
+    loss_log = torch.empty(len(orders) * steps_per_epoch, device=device)
+    step_ms: list[float] = []
+    step = 0
+    model.train()
+    for order in orders:
+        order = order.to(device)
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            xb, yb = data.x_train[idx], data.y_train[idx]
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            _sync(device)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            loss_log[step] = loss.detach()
+            step += 1
+    model.eval()
+    with torch.no_grad():
+        pred = model(data.x_test).argmax(dim=1)
+        accuracy = (pred == data.y_test).float().mean().item()
+    return TrainResult(
+        losses=loss_log[:step].tolist(),
+        step_ms=step_ms,
+        steps_per_epoch=steps_per_epoch,
+        test_accuracy=accuracy,
+        warmup_steps=min(warmup_steps, max(0, step - 1)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP experiment
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_activation(activation: str) -> nn.Module:
+    """torch's own module for a cukit activation name (each calls ``torch.nn.functional``)."""
+    return {
+        "relu": nn.ReLU(),
+        "gelu": nn.GELU(),
+        "gelu_tanh": nn.GELU(approximate="tanh"),
+        "silu": nn.SiLU(),
+    }[activation]
+
+
+def mlp_models(
+    sizes: Sequence[int], activation: str, *, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[nn.Sequential, nn.Sequential]:
+    """The stock MLP and its cukit twin, with identical initial weights.
+
+    Stock: ``Linear(bias) -> act -> ... -> Linear(bias)``. cukit: every hidden ``Linear`` loses its
+    bias, which moves into the following :class:`cukit.nn.BiasAct`; the output layer is a plain
+    ``Linear`` in both. The stock model is initialised under ``torch.manual_seed(seed)`` and its
+    parameters are copied into the cukit model.
+    """
+    if len(sizes) < 2:
+        raise ValueError(f"sizes needs at least an input and an output size; got {list(sizes)}")
+    torch.manual_seed(seed)
+    pairs = list(itertools.pairwise(sizes))
+    stock: list[nn.Module] = []
+    fused: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(pairs):
+        lin = nn.Linear(fan_in, fan_out, device=device)
+        stock.append(lin)
+        if i == len(pairs) - 1:  # output layer: logits, no activation
+            out = nn.Linear(fan_in, fan_out, device=device)
+            fused.append(out)
+            with torch.no_grad():
+                out.weight.copy_(lin.weight)
+                out.bias.copy_(lin.bias)
+            break
+        stock.append(torch_activation(activation))
+        hidden = nn.Linear(fan_in, fan_out, bias=False, device=device)
+        bias_act = cukit.nn.BiasAct(fan_out, activation, device=device)
+        with torch.no_grad():
+            hidden.weight.copy_(lin.weight)
+            bias_act.bias.copy_(lin.bias)
+        fused += [hidden, bias_act]
+    return nn.Sequential(*stock), nn.Sequential(*fused)
+
+
+def run_mlp(
+    *,
+    epochs: int = 15,
+    batch_size: int = 64,
+    device: str | torch.device = "auto",
+    seed: int = 0,
+    activation: str = "gelu",
+    hidden: Sequence[int] = (256, 256),
+    optimizer: OptimizerFactory = default_optimizer,
+    warmup_steps: int = 10,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train the digits MLP with stock torch and with cukit; return the numbers.
+
+    Args:
+        epochs, batch_size, seed: the training run (seed fixes the split, the initial weights and
+            the batch order, shared by both variants).
+        device: "auto", "cpu", "cuda" or a torch.device.
+        activation: "relu", "gelu", "gelu_tanh" or "silu".
+        hidden: hidden layer widths (input 64 and output 10 are fixed by the data).
+        optimizer: builds the optimizer from a model's parameters; used for both variants.
+        warmup_steps: steps left out of the timing median (on CUDA the first cukit step compiles
+            its kernels).
+        log: called with a progress line per variant, if given.
+
+    Returns:
+        ``{"device": "CPU" or GPU name, "torch_device": str, "activation", "epochs", "batch_size",
+        "steps", "n_train", "n_test", "sizes", "loss_max_abs_diff", "loss_tolerance", "losses_agree",
+        "variants": {"torch": {...}, "cukit": {...}}}``, each variant with "test_accuracy",
+        "final_loss" (mean over the last epoch), "ms_per_step" (median), "speedup" (torch's
+        ms/step over this variant's), "losses" (per step) and "description".
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    if epochs < 1 or batch_size < 1:
+        raise ValueError(f"epochs and batch_size must be >= 1; got {epochs} and {batch_size}")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    data = load_digits(dev, seed=seed)
+    sizes = [data.x_train.shape[1], *hidden, 10]
+    stock, fused = mlp_models(sizes, activation, device=dev, seed=seed)
+    arch = "-".join(map(str, sizes))
+    variants = [
+        Variant("torch", f"nn.Linear + F.{activation}", stock, optimizer),
+        Variant("cukit", "nn.Linear(bias=False) + cukit.nn.BiasAct", fused, optimizer),
+    ]
+    orders = epoch_orders(data.x_train.shape[0], epochs, seed)
+    results: dict[str, TrainResult] = {}
+    for v in variants:
+        results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
+        if log:
+            log(
+                f"  {v.name:<6} {arch} MLP, {epochs} epochs: {r.ms_per_step:.3f} ms/step, "
+                f"test accuracy {r.test_accuracy:.2%}"
+            )
+    base = results["torch"]
+    diff = max(abs(a - b) for a, b in zip(base.losses, results["cukit"].losses, strict=True))
+    return {
+        "device": device_label(dev),
+        "torch_device": str(dev),
+        "activation": activation,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "steps": len(base.losses),
+        "n_train": int(data.x_train.shape[0]),
+        "n_test": int(data.x_test.shape[0]),
+        "sizes": sizes,
+        "loss_max_abs_diff": diff,
+        "loss_tolerance": LOSS_TOLERANCE,
+        "losses_agree": diff <= LOSS_TOLERANCE,
+        "variants": {
+            v.name: {
+                "description": v.description,
+                "test_accuracy": results[v.name].test_accuracy,
+                "final_loss": results[v.name].final_loss,
+                "ms_per_step": results[v.name].ms_per_step,
+                "speedup": base.ms_per_step / results[v.name].ms_per_step,
+                "losses": results[v.name].losses,
+            }
+            for v in variants
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiments and the table
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The command-line options every experiment receives. ``epochs=None``: the experiment's default."""
+
+    device: torch.device
+    seed: int = 0
+    epochs: int | None = None
+    batch_size: int = 64
+    activation: str = "gelu"
+    log: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the comparison table."""
+
+    experiment: str
+    variant: str
+    description: str
+    test_accuracy: float
+    final_loss: float
+    ms_per_step: float
+    speedup: float  # baseline ms/step over this row's; 1.0 for the baseline itself
+
+
+@dataclass
+class ExperimentResult:
+    """What an experiment hands back: table rows, lines printed under the table, whether its
+    self-check passed, and the raw numbers."""
+
+    name: str
+    title: str
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    ok: bool = True
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Experiment = Callable[[DemoOptions], ExperimentResult]
+
+
+def mlp_experiment(opts: DemoOptions) -> ExperimentResult:
+    """The digits MLP, stock torch vs ``cukit.nn.BiasAct`` (see :func:`run_mlp`)."""
+    r = run_mlp(
+        epochs=opts.epochs or 15,
+        batch_size=opts.batch_size,
+        device=opts.device,
+        seed=opts.seed,
+        activation=opts.activation,
+        log=opts.log,
+    )
+    rows = [
+        Row(
+            "mlp", name, v["description"], v["test_accuracy"], v["final_loss"], v["ms_per_step"], v["speedup"]
+        )
+        for name, v in r["variants"].items()
+    ]
+    verdict = "yes" if r["losses_agree"] else "NO"
+    notes = [
+        f"mlp: loss curves agree: {verdict} (max |loss_torch - loss_cukit| = {r['loss_max_abs_diff']:.2e} "
+        f"over {r['steps']} steps; tolerance {r['loss_tolerance']:.0e})"
+    ]
+    title = (
+        f"mlp: {'-'.join(map(str, r['sizes']))} MLP, {r['activation']}, {r['epochs']} epochs x "
+        f"{r['steps'] // r['epochs']} steps of {r['batch_size']} ({r['n_train']} train / {r['n_test']} test "
+        "digits), AdamW"
+    )
+    return ExperimentResult("mlp", title, rows, notes, ok=r["losses_agree"], data=r)
+
+
+#: The demo's experiments, run in order. Each takes the options and returns an ExperimentResult.
+EXPERIMENTS: dict[str, Experiment] = {"mlp": mlp_experiment}
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The comparison table as text: one line per row, columns aligned."""
+    header = ("experiment", "variant", "model", "test acc", "train loss", "ms/step", "vs torch")
+    lines = [
+        (
+            r.experiment,
+            r.variant,
+            r.description,
+            f"{r.test_accuracy:.2%}",
+            f"{r.final_loss:.4f}",
+            f"{r.ms_per_step:.3f}",
+            f"{r.speedup:.2f}x",
+        )
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in [header, *lines]) for i in range(len(header))]
+    left = 3  # text columns are left-aligned, numbers right-aligned
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(header), rule, *(fmt(c) for c in lines)])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cukit demo",
+        description="Train the same small models with stock torch and with cukit's kernels; compare "
+        "accuracy, loss and time per step.",
+    )
+    p.add_argument("--epochs", type=int, default=None, help="training epochs (default: 15 for the MLP)")
+    p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA when torch and CuPy both see a GPU, else CPU (default: auto)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for the split, the weights and the batch order")
+    p.add_argument(
+        "--activation", choices=ACTIVATIONS, default="gelu", help="hidden activation (default: gelu)"
+    )
+    p.add_argument(
+        "--quiet", action="store_true", help="print nothing; the exit status says whether the runs agree"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every experiment in :data:`EXPERIMENTS` and print the comparison table.
+
+    Returns 0 when every experiment's self-check passed (e.g. the loss curves agree), 1 when one
+    failed, 2 for a usage error (such as ``--device cuda`` without a usable GPU).
+    """
+    args = _parser().parse_args(argv)
+    out = (lambda _s: None) if args.quiet else print
+    if args.epochs is not None and args.epochs < 1:
+        print("cukit demo: --epochs must be >= 1", file=sys.stderr)
+        return 2
+    if args.batch_size < 1:
+        print("cukit demo: --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as e:
+        print(f"cukit demo: {e}", file=sys.stderr)
+        return 2
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    out(f"cukit {cukit.__version__} demo: stock torch vs cukit kernels")
+    out(f"device: {device_label(device)} (torch {torch.__version__}{threads})")
+    opts = DemoOptions(
+        device=device,
+        seed=args.seed,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        activation=args.activation,
+        log=out,
+    )
+    results: list[ExperimentResult] = []
+    for name, experiment in EXPERIMENTS.items():
+        out(f"running {name} ...")
+        try:
+            results.append(experiment(opts))
+        except ImportError as e:  # scikit-learn missing
+            print(f"cukit demo: {e}", file=sys.stderr)
+            return 1
+    out("")
+    for r in results:
+        out(r.title)
+    out("")
+    out(format_table([row for r in results for row in r.rows]))
+    out("")
+    for r in results:
+        for note in r.notes:
+            out(note)
+    out("vs torch: torch's median ms/step divided by this row's (> 1: faster); warm-up steps excluded.")
+    if device.type == "cpu":
+        out("On the CPU cukit runs its torch reference (no GPU): the fused kernels need --device cuda.")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
