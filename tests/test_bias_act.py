@@ -437,3 +437,16 @@ def test_gpu_requires_grad_fast_path_is_not_taken():
     assert y.grad_fn is not None
     with torch.no_grad():
         assert cukit.bias_act(x, b, "gelu").grad_fn is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_nan_and_inf_propagate_like_torch(dtype):
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -1.0, 3.0]], device="cuda", dtype=dtype)
+    b = torch.zeros(8, device="cuda", dtype=dtype)
+    for act in ACTS:
+        y = cukit.bias_act(x, b, act)
+        ref = torch.from_numpy(oracle(x.float().cpu().numpy(), b.float().cpu().numpy(), act)).to(dtype)
+        assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref)), act
+        finite = ~torch.isnan(ref)
+        assert_close(y.cpu()[finite], ref[finite], dtype=str(dtype).removeprefix("torch."))

@@ -74,8 +74,10 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> t
 bias_act_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# Tensor subclasses (FakeTensor, DTensor, functorch wrappers) must go through the dispatcher.
+# Tensor subclasses (FakeTensor, DTensor, functorch wrappers), tracers and dispatch modes
+# (make_fx, FlopCounterMode) must see the op, so they go through the dispatcher.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_current_dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
 
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, activation: str = "relu") -> torch.Tensor:
@@ -86,6 +88,8 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor, activation: str = "relu") -> t
         and x.is_cuda
         and not (torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad))
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and _current_dispatch_mode() is None
     ):
         # Direct launch: skips the dispatcher when there is nothing for it to do.
         return _op.forward_gpu(x, bias, _op.ACTIVATIONS[activation])

@@ -46,7 +46,7 @@ __device__ __forceinline__ void normal_cdf_fast(float z, float& cdf, float& e) {
 template <int ACT, bool FAST, typename A> __device__ __forceinline__ A act_fwd(A z) {
   static_assert(!FAST || sizeof(A) == 4, "FAST forms are float-only");
   if constexpr (ACT == ACT_RELU) {
-    return z > A(0) ? z : A(0);
+    return z < A(0) ? A(0) : z;  // NaN propagates, as in torch.relu
   } else if constexpr (ACT == ACT_GELU) {
     if constexpr (FAST) {
       float cdf, e;
@@ -76,7 +76,7 @@ template <int ACT, bool FAST, typename A> __device__ __forceinline__ A act_fwd(A
 template <int ACT, bool FAST, typename A> __device__ __forceinline__ A act_grad(A z) {
   static_assert(!FAST || sizeof(A) == 4, "FAST forms are float-only");
   if constexpr (ACT == ACT_RELU) {
-    return z > A(0) ? A(1) : A(0);  // torch's convention: the gradient at 0 is 0
+    return z <= A(0) ? A(0) : A(1);  // torch's convention: 0 at z = 0; NaN passes the gradient
   } else if constexpr (ACT == ACT_GELU) {
     if constexpr (FAST) {
       float cdf, e;
