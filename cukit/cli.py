@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import runpy
 import sys
@@ -33,11 +34,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"nvrtc        {nvrtc_version() or 'not found'}")
     print(f"kernels      {kernel_dir()}")
     try:
-        import cupy
+        from cupy.cuda import _compiler_cache
 
-        cache = cupy.cuda.compiler.get_cache_dir()
-    except Exception:
-        cache = "n/a (CuPy not installed)"
+        cache = os.environ.get("CUPY_CACHE_DIR", _compiler_cache._default_cache_dir)
+    except Exception:  # CuPy missing, or a CuPy whose cache module moved
+        cache = os.environ.get("CUPY_CACHE_DIR", "~/.cupy/kernel_cache (CuPy's default)")
     print(f"cache dir    {cache}")
     info = cukit.device_info()
     if info["available"]:
