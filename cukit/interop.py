@@ -87,10 +87,6 @@ def as_dtype(dtype: Any) -> DType:
     """The table row for a dtype given as a name, a NumPy/CuPy dtype or a torch.dtype."""
     if isinstance(dtype, DType):
         return dtype
-    try:  # the hot path: a dtype object seen before (one dict lookup per call)
-        return _BY_OBJECT[dtype]
-    except (KeyError, TypeError):
-        pass
     if isinstance(dtype, str):
         name = dtype
     else:
@@ -103,15 +99,9 @@ def as_dtype(dtype: Any) -> DType:
             except TypeError as e:
                 raise TypeError(f"not a dtype: {dtype!r}") from e
     try:
-        row = DTYPES[name]
+        return DTYPES[name]
     except KeyError:
         raise TypeError(f"dtype {name} is not supported by cukit; supported: {', '.join(DTYPES)}") from None
-    if not isinstance(dtype, str):
-        _BY_OBJECT[dtype] = row
-    return row
-
-
-_BY_OBJECT: dict[Any, DType] = {}
 
 
 def dtype_of(x: Any) -> DType:
