@@ -135,8 +135,8 @@ def device_of(x: Any) -> int | None:
         return None
     if kind == "cupy":
         return int(x.device.id)
-    if x.device.type == "cuda":
-        return int(x.device.index)
+    if x.is_cuda:
+        return x.get_device()  # cheaper than building x.device (this runs on every call)
     if x.device.type == "cpu":
         return None
     raise TypeError(f"torch tensors on {x.device.type!r} are not supported; use CPU or CUDA tensors")
@@ -208,17 +208,20 @@ def current_stream(device: int | None, torch_involved: bool) -> Any:
     if torch_involved:
         import torch
 
-        stream = torch.cuda.current_stream(device)
-        cached = _EXTERNAL.get(stream.cuda_stream)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, no Stream object built
+        ptr = raw(device) if raw is not None and device is not None else None
+        cached = _EXTERNAL.get((ptr, device)) if ptr is not None else None
         if cached is None:
             # Wrapping costs a few µs; torch hands out few distinct streams, so keep one wrapper
-            # per stream pointer (it holds the torch stream, so the pointer stays valid).
-            cached = _EXTERNAL[stream.cuda_stream] = cupy.cuda.Stream.from_external(stream)
+            # per (stream pointer, device): the legacy default stream is 0 on every device. The
+            # wrapper holds the torch stream, so the pointer stays valid.
+            stream = torch.cuda.current_stream(device)
+            cached = _EXTERNAL[(stream.cuda_stream, device)] = cupy.cuda.Stream.from_external(stream)
         return cached
     return cupy.cuda.get_current_stream(device)
 
 
-_EXTERNAL: dict[int, Any] = {}
+_EXTERNAL: dict[tuple[int, int | None], Any] = {}
 
 
 _TORCH_ALLOCATOR: Any = None
