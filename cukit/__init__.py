@@ -13,6 +13,14 @@ from cukit._device import device_info, is_available
 from cukit._runtime import KernelCompileError
 from cukit.interop import asarray, to_torch, use_torch_allocator
 from cukit.ops.bias_act import bias_act, bias_act_backward
+from cukit.ops.matmul import (
+    batch_matmul,
+    chunked_matmul,
+    get_matmul_precision,
+    linear,
+    matmul,
+    set_matmul_precision,
+)
 
 __version__ = "0.1.0"
 
@@ -20,10 +28,16 @@ __all__ = [
     "KernelCompileError",
     "__version__",
     "asarray",
+    "batch_matmul",
     "bias_act",
     "bias_act_backward",
+    "chunked_matmul",
     "device_info",
+    "get_matmul_precision",
     "is_available",
+    "linear",
+    "matmul",
+    "set_matmul_precision",
     "to_torch",
     "use_torch_allocator",
 ]

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 # Modules that declare kernels; `all_modules()` imports them so the registry is complete.
-_KERNEL_OWNERS = ("cukit.ops.bias_act",)
+_KERNEL_OWNERS = ("cukit.ops.bias_act", "cukit.ops.matmul_simt", "cukit.ops.matmul_tc")
 
 # Options shared by the CuPy path and the offline path. CuPy adds -ftz=true itself; the offline
 # compiler adds it too, so both compile the same code.
@@ -155,6 +155,25 @@ _SCALAR_TYPES: dict[str, type] = {
 }
 
 
+def _int_in(typ: type, lo: int, hi: int) -> Any:
+    def conv(v: int) -> Any:
+        if not lo <= v <= hi:
+            raise ValueError(f"{v} does not fit in {typ.__name__}")
+        return typ(v)
+
+    return conv
+
+
+# (kind, Python type) -> converter for the argument types launches pass every call.
+_FAST: dict[tuple[str, type], Any] = {
+    ("ptr", int): int,
+    ("i64", int): _int_in(np.int64, -(2**63), 2**63 - 1),
+    ("i32", int): _int_in(np.int32, -(2**31), 2**31 - 1),
+    ("f32", float): np.float32,
+    ("f64", float): np.float64,
+}
+
+
 def _pointer(v: Any, kernel: str, i: int) -> int:
     if v is None:
         return 0
@@ -177,6 +196,13 @@ def convert_args(kernel: str, signature: Sequence[str], args: Sequence[Any]) -> 
         raise TypeError(f"{kernel} takes {len(signature)} arguments ({' '.join(signature)}), got {len(args)}")
     out: list[Any] = []
     for i, (kind, v) in enumerate(zip(signature, args, strict=True)):
+        fast = _FAST.get((kind, type(v)))
+        if fast is not None:  # the common cases, one dict lookup each (hot path)
+            try:
+                out.append(fast(v))
+                continue
+            except ValueError:
+                pass  # out of range: the checks below raise the full message
         if kind == "ptr":
             out.append(_pointer(v, kernel, i))
             continue
@@ -213,6 +239,9 @@ class KernelModule:
     signatures: Mapping[str, str]
     options: tuple[str, ...] = ()
     register: bool = True  # list it in all_modules() (and so in `cukit check-kernels`)
+    # An architecture-specific target such as "sm_90a" (wgmma, setmaxnreg): the module compiles
+    # only for it, and only runs on devices of that compute capability.
+    arch: str | None = None
     _signatures: dict[str, tuple[str, ...]] = field(init=False, repr=False)
     _group_of: dict[str, str] = field(init=False, repr=False)
     _functions: dict[tuple[str, int], Any] = field(init=False, repr=False, default_factory=dict)
@@ -232,7 +261,12 @@ class KernelModule:
                     raise ValueError(f"{self.file}: no signature declared for {e}")
                 self._group_of[e] = group
         if self.register:
-            _REGISTRY[self.file] = self
+            _REGISTRY[self.key] = self
+
+    @property
+    def key(self) -> str:
+        """The registry name: the file, plus the target for an architecture-specific module."""
+        return f"{self.file}[{self.arch}]" if self.arch else self.file
 
     # -- source --------------------------------------------------------------------------------
     def read_source(self) -> str:
@@ -244,6 +278,11 @@ class KernelModule:
 
     def compile_options(self) -> tuple[str, ...]:
         return (*BASE_OPTIONS, f"-I{include_dir()}", *(f"-I{d}" for d in cuda_include_dirs()), *self.options)
+
+    def targets(self, arch: str) -> bool:
+        """Whether this module is built for a requested architecture: always for a generic module;
+        an "sm_90a" module for "sm_90" or "sm_90a"."""
+        return self.arch is None or self.arch.rstrip("a") == arch.rstrip("a")
 
     def all_instantiations(self) -> list[str]:
         return [e for exprs in self.instantiations.values() for e in exprs]
@@ -273,8 +312,9 @@ class KernelModule:
 
         exprs = list(self.instantiations[group])
         src = prepare_source(self.read_source(), _headers_digest_cached())
+        options = self.compile_options() + ((f"-arch={self.arch}",) if self.arch else ())
         with cupy.cuda.Device(device):
-            module = cupy.RawModule(code=src, options=self.compile_options(), name_expressions=exprs)
+            module = cupy.RawModule(code=src, options=options, name_expressions=exprs)
             try:
                 fns = {e: module.get_function(e) for e in exprs}
             except cupy.cuda.compiler.CompileException as e:
@@ -309,7 +349,11 @@ class KernelModule:
     # -- offline path (no GPU) ---------------------------------------------------------------
     def compile_offline(self, arch: str, groups: Iterable[str] | None = None) -> int:
         """Compile every declared instantiation for `arch` (e.g. "sm_90") through NVRTC, without a
-        GPU. Returns how many instantiations compiled; raises KernelCompileError otherwise."""
+        GPU. Returns how many instantiations compiled (0 when the module targets another
+        architecture); raises KernelCompileError otherwise."""
+        if not self.targets(arch):
+            return 0
+        arch = self.arch or arch
         n = 0
         for group in self.instantiations if groups is None else groups:
             exprs = list(self.instantiations[group])

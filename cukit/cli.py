@@ -66,23 +66,49 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_check_kernels(args: argparse.Namespace) -> int:
+def _compile_one(job: tuple[str, str, str]) -> tuple[str, str, str, int, str]:
     from cukit._runtime import KernelCompileError, all_modules
 
+    name, arch, group = job
+    module = all_modules()[name]
+    try:
+        return name, arch, group, module.compile_offline(arch, [group]), ""
+    except KernelCompileError as e:
+        return name, arch, group, -len(module.instantiations[group]), e.log
+
+
+def cmd_check_kernels(args: argparse.Namespace) -> int:
+    from cukit._runtime import all_modules
+
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
-    total = failed = 0
+    modules = all_modules()
+    jobs = [
+        (name, arch, group)
+        for name, module in sorted(modules.items())
+        for arch in archs
+        if module.targets(arch)
+        for group in module.instantiations
+    ]
     t0 = time.perf_counter()
-    for name, module in sorted(all_modules().items()):
-        for arch in archs:
-            for group, exprs in module.instantiations.items():
-                try:
-                    total += module.compile_offline(arch, [group])
-                except KernelCompileError as e:
-                    failed += len(exprs)
-                    print(f"FAIL {name} [{group}] {arch}\n{e.log}", file=sys.stderr)
-                except RuntimeError as e:  # no NVRTC
-                    print(f"cukit check-kernels: {e}", file=sys.stderr)
-                    return 2
+    try:
+        if args.jobs > 1 and len(jobs) > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # NVRTC holds the GIL, so groups compile in parallel only in separate processes.
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+                results = list(pool.map(_compile_one, jobs))
+        else:
+            results = [_compile_one(j) for j in jobs]
+    except RuntimeError as e:  # no NVRTC
+        print(f"cukit check-kernels: {e}", file=sys.stderr)
+        return 2
+    total = sum(n for *_, n, _ in results if n > 0)
+    failed = -sum(n for *_, n, _ in results if n < 0)
+    for name, arch, group, n, log in results:
+        if n < 0:
+            print(f"FAIL {name} [{group}] {arch}\n{log}", file=sys.stderr)
     dt = time.perf_counter() - t0
     print(f"check-kernels: compiled {total} instantiations for {','.join(archs)}, {failed} failed ({dt:.1f} s)")
     return 1 if failed else 0
@@ -116,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("check-kernels", help="compile every kernel instantiation with NVRTC, no GPU needed")
     p.add_argument("--arch", default="sm_80,sm_90", help="comma-separated targets, e.g. sm_80,sm_90")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: CPUs)")
     p.set_defaults(func=cmd_check_kernels)
 
     p = sub.add_parser("demo", help="train a small MLP on the digits data set: stock torch vs cukit")

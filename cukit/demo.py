@@ -7,28 +7,35 @@ use the same optimizer, so their loss curves must agree to rounding error: the d
 exits with status 1 when they do not.
 
 The demo is a list of experiments (:data:`EXPERIMENTS`); each is a function that takes the parsed
-options and returns rows for the table plus notes. Today there is one:
+options and returns rows for the table plus notes:
 
 * ``mlp``: 64 -> 256 -> 256 -> 10 MLP. Stock: ``nn.Linear`` (with bias) + the activation from
   ``torch.nn.functional``. cukit: ``nn.Linear(bias=False)`` + :class:`cukit.nn.BiasAct`.
+* ``cnn``: the images as 1x8x8: conv 3x3 1 -> 16, act, conv 3x3 16 -> 32, act, flatten, linear
+  2048 -> 10. Stock: ``nn.Conv2d`` + the activation + ``nn.Linear``. cukit: each convolution is
+  ``F.unfold`` (im2col) + :func:`cukit.matmul` + :func:`cukit.bias_act` (:class:`MatmulConv2d`),
+  the classifier :class:`cukit.nn.Linear`.
 
 Usage::
 
     cukit demo                              # or: python -m cukit demo, make demo
     cukit demo -- --epochs 5 --device cpu --activation relu
 
-From Python: ``cukit.demo.run_mlp(epochs=5, device="cpu")`` returns the numbers as a dict.
+From Python: ``cukit.demo.run_mlp(epochs=5, device="cpu")`` (or ``run_cnn``) returns the numbers
+as a dict.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
+import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +50,10 @@ __all__ = [
     "EXPERIMENTS",
     "DemoOptions",
     "ExperimentResult",
+    "MatmulConv2d",
     "Row",
+    "cnn_experiment",
+    "cnn_models",
     "default_optimizer",
     "device_label",
     "format_table",
@@ -51,6 +61,7 @@ __all__ = [
     "main",
     "mlp_experiment",
     "resolve_device",
+    "run_cnn",
     "run_mlp",
 ]
 
@@ -385,6 +396,218 @@ def run_mlp(
 
 
 # ---------------------------------------------------------------------------------------------
+# The CNN experiment
+# ---------------------------------------------------------------------------------------------
+
+#: Largest acceptable max |loss_torch - loss_cukit| for the CNN: the MLP's. The two convolutions
+#: sum in different orders (torch's conv algorithm vs an im2col GEMM), but the loss is insensitive
+#: to that: on the CPU the curves differ by ~1e-7, and perturbing every conv GEMM of the cukit
+#: variant by random relative noise of 1e-5 (100x float32 rounding) moves the loss by at most
+#: 1.5e-6 over 345 steps, by 1.7e-4 at 1e-3 (TF32-sized errors). 1e-3 leaves room for the GPU's
+#: summation orders without hiding a real bug (a wrong gradient moves the loss by > 1e-2 within
+#: a few steps).
+CNN_LOSS_TOLERANCE = LOSS_TOLERANCE
+CNN_EPOCHS = 10  # default epochs of the cnn experiment (~97% test accuracy)
+
+
+def matmul_missing() -> str | None:
+    """Why the cnn experiment cannot run (``cukit.matmul`` / ``cukit.nn.Linear`` missing), or None."""
+    try:
+        import cukit.nn
+
+        missing = [n for n, ok in (("cukit.matmul", hasattr(cukit, "matmul")),
+                                   ("cukit.nn.Linear", hasattr(cukit.nn, "Linear"))) if not ok]
+    except Exception as e:  # pragma: no cover - a broken install
+        return f"{type(e).__name__}: {e}"
+    return f"{' and '.join(missing)} not available" if missing else None
+
+
+class MatmulConv2d(nn.Module):
+    """A stride-1 2-D convolution + bias + activation computed as im2col + GEMM with cukit:
+
+    ``cols = F.unfold(x)`` (B, C*kh*kw, L), ``y = cukit.matmul(cols^T, weight2d^T)`` (B, L, out),
+    ``y = cukit.bias_act(y, bias, activation)`` (bias over the last dim: fused with the
+    activation), then back to (B, out, H_out, W_out). Differentiable through cukit.matmul's and
+    cukit.bias_act's autograd. Parameters have nn.Conv2d's names and shapes (weight (out, in, kh,
+    kw), bias (out,)), so a Conv2d's weights copy straight in.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        *,
+        padding: int = 0,
+        activation: str = "relu",
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.padding, self.activation = kernel_size, padding, activation
+        k = kernel_size
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, k, k, device=device))
+        self.bias = nn.Parameter(torch.empty(out_channels, device=device))
+        # nn.Conv2d's initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for both
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        bound = 1 / math.sqrt(in_channels * k * k) if in_channels * k * k else 0.0
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        k, p = self.kernel_size, self.padding
+        h_out, w_out = h + 2 * p - k + 1, w + 2 * p - k + 1
+        cols = F.unfold(x, k, padding=p)  # (B, C*k*k, L)
+        w2d = self.weight.reshape(self.out_channels, -1)  # (out, C*k*k)
+        y = cukit.matmul(cols.mT, w2d.mT)  # (B, L, out): per image, the patches times the filters
+        y = cukit.bias_act(y, self.bias, self.activation)
+        return y.mT.reshape(n, self.out_channels, h_out, w_out)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"padding={self.padding}, activation={self.activation!r}")
+
+
+def cnn_models(
+    activation: str,
+    *,
+    channels: Sequence[int] = (16, 32),
+    image: tuple[int, int] = (8, 8),
+    classes: int = 10,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[nn.Sequential, nn.Sequential]:
+    """The stock CNN and its cukit twin, with identical initial weights.
+
+    Both take the flat 64-feature rows of :class:`Digits` and view them as 1-channel images.
+    Stock: ``(Conv2d(3x3, pad 1) -> act) x len(channels) -> Flatten -> Linear``. cukit:
+    ``MatmulConv2d x len(channels) -> Flatten -> cukit.nn.Linear``. The stock model is
+    initialised under ``torch.manual_seed(seed)`` and its parameters are copied into the cukit
+    model.
+    """
+    import cukit.nn
+
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    torch.manual_seed(seed)
+    fans = list(itertools.pairwise([1, *channels]))
+    convs = [nn.Conv2d(a, b, 3, padding=1, device=device) for a, b in fans]
+    features = fans[-1][1] * image[0] * image[1] if fans else image[0] * image[1]
+    head = nn.Linear(features, classes, device=device)
+    stock: list[nn.Module] = [nn.Unflatten(1, (1, *image))]
+    fused: list[nn.Module] = [nn.Unflatten(1, (1, *image))]
+    with torch.no_grad():
+        for conv, (a, b) in zip(convs, fans, strict=True):
+            mconv = MatmulConv2d(a, b, 3, padding=1, activation=activation, device=device)
+            mconv.weight.copy_(conv.weight)
+            mconv.bias.copy_(conv.bias)
+            stock += [conv, torch_activation(activation)]
+            fused.append(mconv)
+        fused_head = cukit.nn.Linear(features, classes, device=device)
+        fused_head.weight.copy_(head.weight)
+        fused_head.bias.copy_(head.bias)
+    stock += [nn.Flatten(), head]
+    fused += [nn.Flatten(), fused_head]
+    return nn.Sequential(*stock), nn.Sequential(*fused)
+
+
+@contextlib.contextmanager
+def _ieee_float32() -> Iterator[None]:
+    """torch's float32 convolutions and matmuls in full float32 (no TF32) while the CNN trains.
+
+    cuDNN convolutions use TF32 by default on Ampere and newer GPUs, and cukit.matmul's default
+    precision is IEEE float32: the comparison is between equal precisions. Restored on exit.
+    """
+    cudnn, cuda_mm = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, cuda_mm.allow_tf32)
+    cudnn.allow_tf32 = False
+    cuda_mm.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, cuda_mm.allow_tf32 = saved
+
+
+def run_cnn(
+    *,
+    epochs: int = CNN_EPOCHS,
+    batch_size: int = 64,
+    device: str | torch.device = "auto",
+    seed: int = 0,
+    activation: str = "gelu",
+    channels: Sequence[int] = (16, 32),
+    optimizer: OptimizerFactory = default_optimizer,
+    warmup_steps: int = 10,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train the digits CNN with stock torch and with cukit (im2col + cukit.matmul); return the
+    numbers, in the same form as :func:`run_mlp` (``"sizes"`` is replaced by ``"channels"`` and
+    ``"architecture"``).
+
+    Both variants train in IEEE float32 (TF32 off for torch's convolutions and matmuls while they
+    train; cukit.matmul's default precision is "ieee"). On the CPU cukit.matmul runs its torch
+    fallback. Raises RuntimeError when cukit.matmul or cukit.nn.Linear is not available.
+    """
+    why = matmul_missing()
+    if why:
+        raise RuntimeError(f"the cnn experiment needs cukit.matmul and cukit.nn.Linear: {why}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    if epochs < 1 or batch_size < 1:
+        raise ValueError(f"epochs and batch_size must be >= 1; got {epochs} and {batch_size}")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    data = load_digits(dev, seed=seed)
+    if data.x_train.shape[1] != 64:
+        raise ValueError(f"expected 8x8 digit images (64 features); got {data.x_train.shape[1]}")
+    stock, fused = cnn_models(activation, channels=channels, device=dev, seed=seed)
+    arch = "-".join(f"conv{c}" for c in channels) + "-fc10"
+    variants = [
+        Variant("torch", f"nn.Conv2d + F.{activation} + nn.Linear", stock, optimizer),
+        Variant("cukit", "unfold + cukit.matmul + cukit.bias_act, cukit.nn.Linear", fused, optimizer),
+    ]
+    orders = epoch_orders(data.x_train.shape[0], epochs, seed)
+    results: dict[str, TrainResult] = {}
+    with _ieee_float32():
+        for v in variants:
+            results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
+            if log:
+                log(
+                    f"  {v.name:<6} {arch} CNN, {epochs} epochs: {r.ms_per_step:.3f} ms/step, "
+                    f"test accuracy {r.test_accuracy:.2%}"
+                )
+    base = results["torch"]
+    diff = max(abs(a - b) for a, b in zip(base.losses, results["cukit"].losses, strict=True))
+    return {
+        "device": device_label(dev),
+        "torch_device": str(dev),
+        "activation": activation,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "steps": len(base.losses),
+        "n_train": int(data.x_train.shape[0]),
+        "n_test": int(data.x_test.shape[0]),
+        "channels": list(channels),
+        "architecture": arch,
+        "loss_max_abs_diff": diff,
+        "loss_tolerance": CNN_LOSS_TOLERANCE,
+        "losses_agree": diff <= CNN_LOSS_TOLERANCE,
+        "variants": {
+            v.name: {
+                "description": v.description,
+                "test_accuracy": results[v.name].test_accuracy,
+                "final_loss": results[v.name].final_loss,
+                "ms_per_step": results[v.name].ms_per_step,
+                "speedup": base.ms_per_step / results[v.name].ms_per_step,
+                "losses": results[v.name].losses,
+            }
+            for v in variants
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # Experiments and the table
 # ---------------------------------------------------------------------------------------------
 
@@ -459,8 +682,41 @@ def mlp_experiment(opts: DemoOptions) -> ExperimentResult:
     return ExperimentResult("mlp", title, rows, notes, ok=r["losses_agree"], data=r)
 
 
+def cnn_experiment(opts: DemoOptions) -> ExperimentResult:
+    """The digits CNN, stock torch vs im2col + ``cukit.matmul`` (see :func:`run_cnn`). Skipped,
+    with a note, while cukit.matmul is not available."""
+    why = matmul_missing()
+    if why:
+        return ExperimentResult("cnn", f"cnn: skipped ({why})", [], [f"cnn: skipped: {why}"], ok=True)
+    r = run_cnn(
+        epochs=opts.epochs or CNN_EPOCHS,
+        batch_size=opts.batch_size,
+        device=opts.device,
+        seed=opts.seed,
+        activation=opts.activation,
+        log=opts.log,
+    )
+    rows = [
+        Row(
+            "cnn", name, v["description"], v["test_accuracy"], v["final_loss"], v["ms_per_step"], v["speedup"]
+        )
+        for name, v in r["variants"].items()
+    ]
+    verdict = "yes" if r["losses_agree"] else "NO"
+    notes = [
+        f"cnn: loss curves agree: {verdict} (max |loss_torch - loss_cukit| = {r['loss_max_abs_diff']:.2e} "
+        f"over {r['steps']} steps; tolerance {r['loss_tolerance']:.0e}; float32 without TF32 on both sides)"
+    ]
+    convs = ", ".join(f"conv3x3 {a}->{b}" for a, b in itertools.pairwise([1, *r["channels"]]))
+    title = (
+        f"cnn: 1x8x8 images, {convs} (pad 1, {r['activation']}), linear {r['channels'][-1] * 64}->10, "
+        f"{r['epochs']} epochs x {r['steps'] // r['epochs']} steps of {r['batch_size']}, AdamW"
+    )
+    return ExperimentResult("cnn", title, rows, notes, ok=r["losses_agree"], data=r)
+
+
 #: The demo's experiments, run in order. Each takes the options and returns an ExperimentResult.
-EXPERIMENTS: dict[str, Experiment] = {"mlp": mlp_experiment}
+EXPERIMENTS: dict[str, Experiment] = {"mlp": mlp_experiment, "cnn": cnn_experiment}
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -496,7 +752,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the same small models with stock torch and with cukit's kernels; compare "
         "accuracy, loss and time per step.",
     )
-    p.add_argument("--epochs", type=int, default=None, help="training epochs (default: 15 for the MLP)")
+    p.add_argument("--epochs", type=int, default=None, help="training epochs (default: 15 for the MLP, 10 for the CNN)")
     p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
     p.add_argument(
         "--device",

@@ -131,3 +131,135 @@ def test_device_cuda_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 def test_auto_device_is_cpu_without_gpu() -> None:
     expected = "cuda" if torch_cuda() else "cpu"
     assert demo.resolve_device("auto").type == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The cnn experiment: im2col + cukit.matmul convolutions, cukit.nn.Linear classifier
+# ---------------------------------------------------------------------------------------------
+
+needs_matmul = pytest.mark.skipif(
+    demo.matmul_missing() is not None, reason=f"cnn experiment: {demo.matmul_missing()}"
+)
+
+
+@pytest.fixture(scope="module")
+def cnn_cpu() -> dict:
+    if demo.matmul_missing() is not None:
+        pytest.skip(f"cnn experiment: {demo.matmul_missing()}")
+    return demo.run_cnn(epochs=2, device="cpu", seed=0)
+
+
+@needs_matmul
+def test_run_cnn_learns_and_variants_agree(cnn_cpu: dict) -> None:
+    r = cnn_cpu
+    assert r["device"] == "CPU" and r["torch_device"] == "cpu"
+    assert r["channels"] == [16, 32] and r["n_train"] + r["n_test"] == 1797
+    assert r["steps"] == 2 * -(-r["n_train"] // 64)
+    assert set(r["variants"]) == {"torch", "cukit"}
+    for v in r["variants"].values():
+        assert v["test_accuracy"] > 0.8  # chance is 0.1; two epochs reach ~0.93
+        assert 0 < v["final_loss"] < 1.0
+        assert v["ms_per_step"] > 0 and len(v["losses"]) == r["steps"]
+        assert v["losses"][-1] < v["losses"][0]
+    assert r["variants"]["torch"]["speedup"] == 1.0
+    assert r["loss_max_abs_diff"] < 1e-4  # ~1e-7 measured on the CPU
+    assert r["losses_agree"] and r["loss_tolerance"] == demo.CNN_LOSS_TOLERANCE
+    t, c = r["variants"]["torch"], r["variants"]["cukit"]
+    assert abs(t["test_accuracy"] - c["test_accuracy"]) <= 1 / r["n_test"] + 1e-9
+
+
+@needs_matmul
+def test_cnn_models_start_identical() -> None:
+    import cukit.nn
+
+    stock, fused = demo.cnn_models("gelu", channels=(4, 8), seed=3)
+    convs = [m for m in stock if isinstance(m, torch.nn.Conv2d)]
+    mconvs = [m for m in fused if isinstance(m, demo.MatmulConv2d)]
+    assert len(convs) == len(mconvs) == 2
+    for a, b in zip(convs, mconvs, strict=True):
+        assert a.weight.shape == b.weight.shape and torch.equal(a.weight, b.weight)
+        assert torch.equal(a.bias, b.bias)
+    head, fused_head = stock[-1], fused[-1]
+    assert isinstance(head, torch.nn.Linear) and isinstance(fused_head, cukit.nn.Linear)
+    assert torch.equal(head.weight, fused_head.weight) and torch.equal(head.bias, fused_head.bias)
+    assert head.weight.shape == (10, 8 * 64)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(fused(x), stock(x), rtol=1e-5, atol=1e-5)
+    # the same seed builds the same stock weights
+    stock2, _ = demo.cnn_models("gelu", channels=(4, 8), seed=3)
+    for p, q in zip(stock.parameters(), stock2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@needs_matmul
+@pytest.mark.parametrize(("activation", "padding", "shape"), [
+    ("relu", 1, (3, 2, 8, 8)),
+    ("silu", 0, (2, 3, 7, 5)),  # no padding, non-square: the output is smaller than the input
+    ("gelu_tanh", 2, (1, 1, 4, 6)),
+])
+def test_matmul_conv2d_matches_conv2d(activation: str, padding: int, shape: tuple[int, ...]) -> None:
+    """MatmulConv2d is conv2d + bias + activation, values and gradients (input, weight, bias)."""
+    torch.manual_seed(0)
+    n, c, h, w = shape
+    conv = demo.MatmulConv2d(c, 5, 3, padding=padding, activation=activation)
+    x = torch.randn(shape, dtype=torch.float32, requires_grad=True)
+    y = conv(x)
+    act = demo.torch_activation(activation)
+    xr = x.detach().double().requires_grad_()
+    wr = conv.weight.detach().double().requires_grad_()
+    br = conv.bias.detach().double().requires_grad_()
+    yr = act(torch.nn.functional.conv2d(xr, wr, br, padding=padding))
+    assert y.shape == yr.shape == (n, 5, h + 2 * padding - 2, w + 2 * padding - 2)
+    torch.testing.assert_close(y.double(), yr, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g.double())
+    for got, want in ((x.grad, xr.grad), (conv.weight.grad, wr.grad), (conv.bias.grad, br.grad)):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_matmul
+def test_cnn_optimizer_is_one_argument() -> None:
+    built: list[type] = []
+
+    def sgd(params):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(params, lr=0.05)
+        built.append(type(opt))
+        return opt
+
+    r = demo.run_cnn(epochs=1, device="cpu", channels=(4,), activation="relu", optimizer=sgd)
+    assert built == [torch.optim.SGD, torch.optim.SGD]
+    assert r["channels"] == [4] and r["loss_max_abs_diff"] < 1e-4
+
+
+@needs_matmul
+def test_main_prints_cnn_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "cnn" in demo.EXPERIMENTS
+    assert demo.main(["--epochs", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cnn: loss curves agree: yes" in out and "mlp: loss curves agree: yes" in out
+    table = [line for line in out.splitlines() if line.startswith(("mlp ", "cnn "))]
+    assert [line.split()[:2] for line in table] == [
+        ["mlp", "torch"], ["mlp", "cukit"], ["cnn", "torch"], ["cnn", "cukit"]
+    ]
+    assert "cukit.matmul" in out and "nn.Conv2d" in out
+
+
+def test_cnn_skipped_with_a_note_without_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "matmul_missing", lambda: "cukit.matmul not available")
+    opts = demo.DemoOptions(device=torch.device("cpu"), epochs=1)
+    r = demo.cnn_experiment(opts)
+    assert r.ok and r.rows == [] and "skipped" in r.notes[0]
+    with pytest.raises(RuntimeError, match=r"cukit\.matmul"):
+        demo.run_cnn(epochs=1, device="cpu")
+
+
+def test_cnn_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="activation"):
+        demo.MatmulConv2d(1, 2, 3, activation="tanh")
+    if demo.matmul_missing() is None:
+        with pytest.raises(ValueError, match="activation"):
+            demo.run_cnn(epochs=1, device="cpu", activation="tanh")
+        with pytest.raises(ValueError, match="epochs"):
+            demo.run_cnn(epochs=0, device="cpu")

@@ -172,7 +172,8 @@ def _empty(shape: tuple[int, ...], like: Any, kind: str, dtype: str | None = Non
         return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else like.dtype, device=like.device)
     import cupy
 
-    return cupy.empty(shape, dtype=dtype or like.dtype)
+    with like.device:  # allocate on the input's GPU, not the current one
+        return cupy.empty(shape, dtype=dtype or like.dtype)
 
 
 def _ptr(a: Any, kind: str) -> int:

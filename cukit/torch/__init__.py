@@ -3,4 +3,7 @@ CUDA graphs). Importing this package imports torch and registers every op under
 ``torch.ops.cukit``. The modules are named after the ops (``cukit.torch.bias_act``); the functions
 users call live at the top level (``cukit.bias_act``)."""
 
-from cukit.torch import bias_act  # noqa: F401  (registers torch.ops.cukit.bias_act*)
+from cukit.torch import (
+    bias_act,  # noqa: F401  (registers torch.ops.cukit.bias_act*)
+    matmul,  # noqa: F401  (registers torch.ops.cukit.matmul and cukit.linear)
+)

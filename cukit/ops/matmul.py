@@ -1,0 +1,1001 @@
+"""Matrix products: ``matmul`` (``numpy.matmul`` semantics), ``linear`` (``act(x @ W.T + b)`` in one
+kernel), ``batch_matmul``, ``chunked_matmul``; the global TF32 setting; the kernel-selection heuristic.
+
+This module is the front end of the matmul family. It validates, promotes dtypes, and turns arrays
+into a launch-ready :class:`cukit.ops._gemm.Gemm` (strides, broadcast batch dimensions, bias and
+activation epilogue), then hands it to a kernel family:
+
+- ``cukit/ops/matmul_simt.py``: float32 / float64 SIMT kernels (incl. the classic 32x32 tiled "v1");
+- ``cukit/ops/matmul_tc.py``: tensor-core (mma.sync) kernels for bfloat16 / float16 inputs with fp32
+  accumulation, and float32 with ``precision="tf32"``.
+
+Each family exposes ``supports(g) -> bool`` and ``launch(g, stream)``; they are imported lazily,
+on the first GPU call. ``select_kernel`` documents the choice. Tests and benchmarks force a family
+(not public API) with ``force_kernel("simt" | "simt_v1" | "tc")`` around any call, or call
+``_matmul_gpu(a, b, kernel=...)`` directly. This module declares no kernels.
+
+NumPy and torch-CPU inputs run the references below (``numpy.matmul`` / ``torch.matmul``), which
+are also the CPU fallbacks. torch registration (autograd, torch.compile, CUDA graphs):
+``cukit/torch/matmul.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import math
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of
+from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
+from cukit.ops.bias_act import ACTIVATIONS, activation_id
+from cukit.ops.bias_act import reference_numpy as _bias_act_numpy
+from cukit.ops.bias_act import reference_torch as _bias_act_torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "KERNEL_FAMILIES",
+    "LINEAR_ACTIVATIONS",
+    "PRECISIONS",
+    "batch_matmul",
+    "chunked_matmul",
+    "force_kernel",
+    "get_matmul_precision",
+    "linear",
+    "linear_reference_numpy",
+    "linear_reference_torch",
+    "matmul",
+    "matmul_shape",
+    "reference_numpy",
+    "reference_torch",
+    "result_dtype",
+    "select_kernel",
+    "set_matmul_precision",
+]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+PRECISIONS = ("ieee", "tf32")
+# Kernel family name -> module implementing supports(g) / launch(g, stream) (see _gemm.py).
+KERNEL_FAMILIES: dict[str, str] = {"simt": "cukit.ops.matmul_simt", "tc": "cukit.ops.matmul_tc"}
+
+# Activation names linear accepts (None: no activation).
+LINEAR_ACTIVATIONS: tuple[str | None, ...] = (None, *ACTIVATIONS)
+
+_SIGNATURE = "(n?,k),(k,m?)->(n?,m?)"  # numpy.matmul's gufunc signature, quoted in its errors
+
+
+# ---------------------------------------------------------------------------------------------
+# The global precision setting (like torch.backends.cuda.matmul.allow_tf32)
+# ---------------------------------------------------------------------------------------------
+
+_PRECISION = "ieee"
+
+
+def _check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
+    return precision
+
+
+def set_matmul_precision(precision: str) -> None:
+    """Set the default precision of float32 products on CUDA: "ieee" (default: full float32
+    products, float32 accumulation) or "tf32" (tensor cores; inputs rounded to 10 mantissa bits,
+    float32 accumulation: ~1e-3 relative error per product, several times faster).
+
+    Process-wide, like ``torch.backends.cuda.matmul.allow_tf32``; a ``precision=`` argument of
+    ``matmul``/``linear`` overrides it per call. Other dtypes and CPU inputs are not affected.
+    Under ``torch.compile`` the setting is read when the function is traced.
+
+    See also: ``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``.
+    """
+    global _PRECISION
+    _PRECISION = _check_precision(precision)
+
+
+def get_matmul_precision() -> str:
+    """The default precision of float32 products on CUDA: "ieee" or "tf32" (see
+    ``set_matmul_precision``)."""
+    return _PRECISION
+
+
+def _resolve_precision(precision: str | None) -> str:
+    return _PRECISION if precision is None else _check_precision(precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and dtypes (NumPy's rules and NumPy's error messages)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(shape: Sequence[Any]) -> str:
+    return "(" + ",".join(str(s) for s in shape) + ")"
+
+
+def matmul_shape(
+    sa: Sequence[int], sb: Sequence[int]
+) -> tuple[tuple[int, ...], int, int, int, tuple[int, ...]]:
+    """``(batch, M, K, N, out_shape)`` of ``a @ b`` for operand shapes sa and sb, by numpy.matmul's
+    rules: 1-D operands are promoted ((K,) -> (1, K) for a, (K,) -> (K, 1) for b) and the added axis
+    is removed from out_shape; batch dimensions broadcast. Raises ValueError worded like NumPy's."""
+    sa, sb = tuple(sa), tuple(sb)
+    for i, s in enumerate((sa, sb)):
+        if len(s) == 0:
+            raise ValueError(
+                f"matmul: Input operand {i} does not have enough dimensions (has 0, gufunc core with "
+                f"signature {_SIGNATURE} requires 1)"
+            )
+    ka = sa[-1]
+    kb = sb[0] if len(sb) == 1 else sb[-2]
+    if ka != kb:
+        raise ValueError(
+            f"matmul: Input operand 1 has a mismatch in its core dimension 0, with gufunc signature "
+            f"{_SIGNATURE} (size {kb} is different from {ka})"
+        )
+    M = sa[-2] if len(sa) >= 2 else 1
+    N = sb[-1] if len(sb) >= 2 else 1
+    ba, bb = sa[:-2], sb[:-2]
+    n = max(len(ba), len(bb))
+    pa, pb = (1,) * (n - len(ba)) + ba, (1,) * (n - len(bb)) + bb
+    batch: list[int] = []
+    for x, y in zip(pa, pb, strict=True):
+        if x == y or y == 1:
+            batch.append(x)
+        elif x == 1:
+            batch.append(y)
+        else:
+            na = ",".join(["newaxis"] * 2)
+            raise ValueError(
+                "operands could not be broadcast together with remapped shapes [original->remapped]: "
+                f"{_fmt(sa)}->{_fmt([*ba, na])} {_fmt(sb)}->{_fmt([*bb, na])}  and requested shape "
+                f"({M},{N})"
+            )
+    out_shape = (*batch, *((M,) if len(sa) >= 2 else ()), *((N,) if len(sb) >= 2 else ()))
+    return tuple(batch), M, ka, N, out_shape
+
+
+_FLOAT_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+
+
+def _dtype_name(x: Any, kind: str | None = None) -> str:
+    if (kind or array_kind(x)) == "torch":
+        return str(x.dtype).removeprefix("torch.")
+    return np.dtype(x.dtype).name
+
+
+def result_dtype(da: str, db: str) -> str:
+    """The dtype of ``a @ b`` for operand dtypes named da and db: NumPy's ``result_type``
+    (float16 @ float32 -> float32, int64 @ float32 -> float64, ...), extended to bfloat16 like
+    torch: bfloat16 @ float16 -> float32, bfloat16 @ wider float -> the wider, bfloat16 @ an
+    integer -> what float16 would give, with bfloat16 in place of float16."""
+    if da == db:
+        return da
+    if da in _FLOAT_RANK and db in _FLOAT_RANK:
+        if {da, db} == {"float16", "bfloat16"}:
+            return "float32"
+        return max(da, db, key=_FLOAT_RANK.__getitem__)
+    na, nb = ("float16" if d == "bfloat16" else d for d in (da, db))
+    try:
+        r = np.result_type(np.dtype(na), np.dtype(nb)).name
+    except TypeError:
+        raise TypeError(f"matmul: unsupported dtype combination {da} and {db}") from None
+    return "bfloat16" if r == "float16" and "float16" not in (da, db) else r
+
+
+def _where(d: int | None) -> str:
+    return "the CPU" if d is None else f"cuda:{d}"
+
+
+def _validate_pair(a: Any, b: Any, what: str = "b") -> tuple[str, int | None]:
+    kind = array_kind(a)
+    if array_kind(b) != kind:
+        raise TypeError(f"{what} must be the same array type as a ({kind}); got {type(b).__qualname__}")
+    da, db = device_of(a), device_of(b)
+    if da != db:
+        raise ValueError(f"a and {what} must be on the same device; got {_where(da)} and {_where(db)}")
+    return kind, da
+
+
+def _check_out(out: Any, kind: str, device: int | None, shape: tuple[int, ...], dtype: str) -> None:
+    if array_kind(out) != kind:
+        raise TypeError(f"out must be the same array type as the inputs ({kind}); got {type(out).__qualname__}")
+    if device_of(out) != device:
+        raise ValueError(f"out must be on the inputs' device ({_where(device)}); got {_where(device_of(out))}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"matmul: out has shape {tuple(out.shape)}; the result has shape {tuple(shape)}")
+    if _dtype_name(out) != dtype:
+        raise TypeError(f"matmul: out has dtype {_dtype_name(out)}; the result has dtype {dtype}")
+
+
+def _astype(x: Any, dtype: str, kind: str) -> Any:
+    if _dtype_name(x) == dtype:
+        return x
+    if kind == "torch":
+        import torch
+
+        return x.to(getattr(torch, dtype))
+    from cukit.interop import numpy_dtype
+
+    return x.astype(numpy_dtype(dtype) if dtype == "bfloat16" else np.dtype(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def matmul(a: Any, b: Any, *, out: Any = None, precision: str | None = None) -> Any:
+    """Matrix product with ``numpy.matmul`` semantics: ``C[..., m, n] = sum_k A[..., m, k] B[..., k, n]``.
+
+    Args:
+        a, b: NumPy, CuPy or torch (CPU or CUDA) arrays of the same type and device, at least 1-D.
+            A 1-D a is promoted to (1, K) and a 1-D b to (K, 1), and the added axis is removed from
+            the result; batch dimensions (all but the last two) broadcast by NumPy's rules. Any
+            strides: on CUDA, transposed operands (one unit stride) and broadcast batches (stride
+            0) are read in place; operands with no unit stride in their last two dimensions (or
+            negative CuPy strides) are copied; batch dimensions are merged where their strides
+            allow, and when more than three remain the operands are made contiguous (and, if still
+            needed, the broadcast is materialised) so that one batch dimension is left.
+        out: optional array of the result's exact shape, dtype, type and device, written in place
+            and returned (stricter than NumPy, which also broadcasts and casts into out).
+        precision: None (the global setting, ``get_matmul_precision()``), "ieee" or "tf32"; tf32
+            only affects float32 CUDA inputs.
+
+    Returns:
+        The product, of the inputs' array type and device; dtype ``result_dtype`` (NumPy's
+        promotion: mixed dtypes are cast to it first). 1-D @ 1-D gives a 0-d result (a NumPy scalar
+        for NumPy inputs, like numpy.matmul).
+
+    Dtypes: CUDA inputs (CuPy, torch) run cukit's kernels for float16, bfloat16 (fp32 accumulation),
+    float32 and float64; other dtypes raise TypeError there. NumPy inputs run ``numpy.matmul``
+    (any dtype NumPy takes; bfloat16 is computed in float32 and rounded once). torch CPU tensors
+    run ``torch.matmul`` (real dtypes; bool as NumPy defines it). torch tensors are differentiable
+    (through ``torch.ops.cukit.matmul``) and work under torch.compile and CUDA-graph capture.
+
+    Raises:
+        ValueError for 0-d operands, mismatched core dimensions or non-broadcastable batch
+        dimensions, with NumPy's messages; TypeError for mixed array types.
+
+    See also: ``numpy.matmul``, ``torch.matmul``, ``cukit.linear``, ``cukit.chunked_matmul``.
+    """
+    kind, device = _validate_pair(a, b)
+    prec = _resolve_precision(precision)
+    _, _, _, _, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
+    rdt = result_dtype(_dtype_name(a, kind), _dtype_name(b, kind))
+    if out is not None:
+        _check_out(out, kind, device, out_shape, rdt)
+    if kind == "numpy":
+        return reference_numpy(a, b, out=out)
+    if kind == "torch":
+        from cukit.torch.matmul import matmul as torch_matmul
+
+        return torch_matmul(a, b, precision=prec, out=out, dtype=rdt)
+    if rdt not in FLOAT_DTYPES:
+        raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {rdt}")
+    return _matmul_gpu(_astype(a, rdt, kind), _astype(b, rdt, kind), precision=prec, out=out)
+
+
+def batch_matmul(a: Any, b: Any, *, precision: str | None = None) -> Any:
+    """Strict batched product: ``C[z] = A[z] @ B[z]`` for a (B, M, K) and b (B, K, N) -> (B, M, N).
+
+    No broadcasting and no 1-D promotion: both operands must be 3-D with equal batch sizes and
+    matching K (ValueError otherwise). Otherwise as ``cukit.matmul`` (array types, dtypes,
+    precision, autograd).
+
+    See also: ``torch.bmm``, ``cukit.matmul``.
+    """
+    _validate_pair(a, b)
+    if a.ndim != 3 or b.ndim != 3:
+        raise ValueError(
+            f"batch_matmul: both operands must be 3-D, (B, M, K) and (B, K, N); got shapes "
+            f"{tuple(a.shape)} and {tuple(b.shape)} (cukit.matmul broadcasts)"
+        )
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"batch_matmul: batch sizes differ: {a.shape[0]} and {b.shape[0]} (no broadcasting)")
+    if a.shape[2] != b.shape[1]:
+        raise ValueError(
+            f"batch_matmul: a is (B, M, K) = {tuple(a.shape)} and b (B, K, N) = {tuple(b.shape)}; "
+            f"K differs ({a.shape[2]} vs {b.shape[1]})"
+        )
+    return matmul(a, b, precision=precision)
+
+
+def _validate_linear(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[str, int]:
+    kind, _ = _validate_pair(x, weight, "weight")
+    if bias is not None:
+        _validate_pair(x, bias, "bias")
+    act = -1 if activation is None else activation_id(activation)
+    dt = _dtype_name(x, kind)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"linear: x must have a floating dtype ({', '.join(FLOAT_DTYPES)}); got {dt}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and _dtype_name(t, kind) != dt:
+            raise TypeError(f"linear: {name} must have x's dtype {dt}; got {_dtype_name(t, kind)}")
+    if weight.ndim != 2:
+        raise ValueError(f"linear: weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
+    if x.ndim < 1:
+        raise ValueError("linear: x must have at least one dimension (..., in_features)")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear: x's last dimension ({x.shape[-1]}) must equal weight's in_features; weight has shape "
+            f"(out_features, in_features) = {tuple(weight.shape)}"
+        )
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"linear: bias must have shape ({weight.shape[0]},); got {tuple(bias.shape)}")
+    return kind, act
+
+
+def linear(
+    x: Any, weight: Any, bias: Any = None, activation: str | None = None, *, precision: str | None = None
+) -> Any:
+    """Fused linear layer: ``y = act(x @ weight.T + bias)``, one kernel on CUDA (the GEMM's epilogue
+    adds the bias and applies the activation before the single store).
+
+    Args:
+        x: (..., in_features); weight: (out_features, in_features), read in place as the transposed
+            operand (no copy); bias: (out_features,) or None. Same array type, dtype and device;
+            float16, bfloat16, float32 or float64. NumPy, CuPy or torch (CPU or CUDA).
+        activation: None, "relu", "gelu" (erf), "gelu_tanh" or "silu".
+        precision: as for ``cukit.matmul`` (tf32 affects float32 CUDA inputs only).
+
+    Returns:
+        y of shape (..., out_features), the inputs' type, dtype and device. The maths is fp32
+        (float64 for float64) with one rounding of y; CPU inputs run the reference with that maths.
+        torch tensors are differentiable in x, weight and bias (``torch.ops.cukit.linear``): the
+        backward recomputes the pre-activation with one GEMM for gelu/gelu_tanh/silu instead of
+        saving it (relu needs only the saved output), then ``dy' = dy * act'``, ``dx = dy' @ W``,
+        ``dW = dy'^T @ x``, ``db = sum(dy')``.
+
+    See also: ``torch.nn.functional.linear``, ``cukit.nn.Linear``, ``cukit.bias_act``.
+    """
+    kind, act = _validate_linear(x, weight, bias, activation)
+    prec = _resolve_precision(precision)
+    if kind == "torch":
+        from cukit.torch.matmul import linear as torch_linear
+
+        return torch_linear(x, weight, bias, activation, precision=prec)
+    if kind == "cupy":
+        return linear_gpu(x, weight, bias, act, precision=prec)
+    return linear_reference_numpy(x, weight, bias, activation)
+
+
+def chunked_matmul(
+    a: Any,
+    b: Any,
+    *,
+    max_bytes: int,
+    precision: str | None = None,
+    use_gpu: bool | None = None,
+) -> Any:
+    """``a @ b`` (``cukit.matmul`` semantics) computed in row blocks of A, so that each step's
+    working set (the A row block + its output block, plus B) stays under ``max_bytes``.
+
+    - Host inputs (NumPy, torch CPU) with a GPU (``use_gpu=None``: when ``cukit.is_available()``;
+      True forces it, False keeps everything on the host): B is copied to the GPU once, then each
+      row block of A is copied in, multiplied by cukit's kernels, and copied back into the host
+      result. The GPU never holds more than ``max_bytes`` of operands, so this multiplies operands
+      larger than GPU memory (copies and compute do not overlap: each block is synchronous).
+      Without a GPU each block runs the CPU fallback, bounding the temporaries.
+    - GPU inputs: each block is written straight into the result; temporaries (a contiguous copy of
+      an A block with unusable strides) stay under ``max_bytes``.
+
+    Batched operands (more than 2-D, broadcast like matmul) run the 2-D algorithm per batch index;
+    1-D operands are promoted like matmul. The result is not differentiable (torch).
+
+    Raises:
+        ValueError if even one row of A plus its output row and B exceed ``max_bytes``.
+
+    See also: ``cukit.matmul``, ``numpy.matmul``.
+    """
+    kind, device = _validate_pair(a, b)
+    prec = _resolve_precision(precision)
+    if not isinstance(max_bytes, (int, np.integer)) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise ValueError(f"chunked_matmul: max_bytes must be a positive integer; got {max_bytes!r}")
+    batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
+    rdt = result_dtype(_dtype_name(a, kind), _dtype_name(b, kind))
+    isz = _itemsize(rdt)
+    b_bytes, row_bytes = K * N * isz, (K + N) * isz
+    if M > 0 and math.prod(batch) > 0 and b_bytes + row_bytes > max_bytes:
+        raise ValueError(
+            f"chunked_matmul: max_bytes={max_bytes} is too small: B takes {b_bytes} bytes and one row of A "
+            f"plus its output row {row_bytes}; need at least {b_bytes + row_bytes}"
+        )
+    rows = M if row_bytes == 0 else max(1, (max_bytes - b_bytes) // row_bytes)
+    host = device is None
+    if use_gpu is None:
+        use_gpu = host and rdt in FLOAT_DTYPES and _gpu_available(kind)
+    elif use_gpu and host:
+        if rdt not in FLOAT_DTYPES:
+            raise TypeError(f"chunked_matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {rdt}")
+        if not _gpu_available(kind):
+            raise RuntimeError("chunked_matmul(use_gpu=True): no CUDA GPU is available (cukit.is_available())")
+    a2 = a if a.ndim >= 2 else a[None, :]
+    b2 = b if b.ndim >= 2 else b[:, None]
+    if kind == "torch":
+        import torch
+
+        grad_ctx: Any = torch.no_grad()
+    else:
+        grad_ctx = contextlib.nullcontext()
+    with grad_ctx:
+        full = _empty_like_kind((*batch, M, N), a, kind, rdt)
+        if M and N:
+            stage = _Stage(kind, rdt, prec, use_gpu and host)
+            loaded: tuple[int, ...] | None = None
+            for idx in np.ndindex(*batch):
+                bidx = _sub_index(idx, b2.shape[:-2])
+                if bidx != loaded:  # B once, or once per batch index where B is batched
+                    stage.load_b(b2[bidx])
+                    loaded = bidx
+                ai, oi = a2[_sub_index(idx, a2.shape[:-2])], full[idx]
+                for r0 in range(0, M, rows):
+                    stage.block(ai[r0 : r0 + rows], oi[r0 : r0 + rows])
+        result = full.reshape(out_shape)
+        return result[()] if kind == "numpy" else result
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype == "bfloat16":
+        return 2
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        import torch
+
+        return getattr(torch, dtype).itemsize
+
+
+def _gpu_available(kind: str) -> bool:
+    from cukit._device import is_available
+
+    if not is_available():
+        return False
+    if kind == "torch":
+        import torch
+
+        return bool(torch.cuda.is_available())
+    return True
+
+
+def _sub_index(idx: tuple[int, ...], bshape: Sequence[int]) -> tuple[int, ...]:
+    """The index into an operand's batch dimensions for a broadcast batch index."""
+    lead = len(idx) - len(bshape)
+    return tuple(0 if n == 1 else i for i, n in zip(idx[lead:], bshape, strict=True))
+
+
+def _empty_like_kind(shape: tuple[int, ...], like: Any, kind: str, dtype: str) -> Any:
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    if kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(like.device.id):
+            return cupy.empty(shape, dtype=like.dtype if _dtype_name(like) == dtype else _np_dtype(dtype))
+    return np.empty(shape, dtype=_np_dtype(dtype))
+
+
+def _np_dtype(dtype: str) -> np.dtype:
+    from cukit.interop import numpy_dtype
+
+    return numpy_dtype(dtype) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+class _Stage:
+    """One step of chunked_matmul: multiply a row block of A by B into the matching output rows."""
+
+    def __init__(self, kind: str, dtype: str, precision: str, to_gpu: bool) -> None:
+        self.kind, self.dtype, self.precision, self.to_gpu = kind, dtype, precision, to_gpu
+        self.b: Any = None
+
+    def _prepare(self, x: Any) -> Any:
+        """x in the result dtype; on the GPU when host blocks are streamed through it."""
+        if not self.to_gpu:
+            return _astype(x, self.dtype, self.kind)
+        if self.kind == "torch":
+            import torch
+
+            dev = torch.device("cuda", torch.cuda.current_device())
+            return x.to(device=dev, dtype=getattr(torch, self.dtype))
+        import cupy
+
+        h = np.ascontiguousarray(x).astype(_np_dtype(self.dtype), copy=False)
+        try:
+            return cupy.asarray(h)
+        except (TypeError, ValueError):  # a CuPy that does not know ml_dtypes' bfloat16: copy the bits
+            return cupy.asarray(h.view(np.uint16)).view(h.dtype)
+
+    def load_b(self, b: Any) -> None:
+        self.b = None  # free the previous batch's B first
+        self.b = self._prepare(b)
+
+    def block(self, a_blk: Any, out_blk: Any) -> None:
+        a_blk = self._prepare(a_blk)
+        if self.to_gpu:
+            c = _matmul_gpu(a_blk, self.b, precision=self.precision)
+            if self.kind == "torch":
+                out_blk.copy_(c)
+            else:
+                c.get(out=out_blk)
+        elif self.kind == "numpy":
+            reference_numpy(a_blk, self.b, out=out_blk)
+        elif device_of(out_blk) is None:  # torch CPU
+            out_blk.copy_(reference_torch(a_blk, self.b))
+        else:
+            _matmul_gpu(a_blk, self.b, precision=self.precision, out=out_blk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel selection
+# ---------------------------------------------------------------------------------------------
+
+_FORCED: str | None = None
+
+
+@contextlib.contextmanager
+def force_kernel(kernel: str | None) -> Iterator[None]:
+    """Make every GPU matmul/linear in the block use one kernel family (for tests and benchmarks;
+    not public API): "simt", "tc", or a family with a version such as "simt_v1" (launched with
+    ``module.launch(g, stream, version="v1")``, or ``module.launch_v1(g, stream)`` where the family
+    defines that). None restores the heuristic.
+
+    Process-wide (a module global, not a context variable): torch runs CUDA backward passes on its
+    own threads, which must see it too. Not thread-safe; nest freely."""
+    global _FORCED
+    if kernel is not None:
+        _parse_kernel(kernel)
+    prev, _FORCED = _FORCED, kernel
+    try:
+        yield
+    finally:
+        _FORCED = prev
+
+
+def _parse_kernel(kernel: str) -> tuple[str, str | None]:
+    family, _, variant = kernel.partition("_")
+    if family not in KERNEL_FAMILIES:
+        raise ValueError(
+            f"unknown matmul kernel {kernel!r}: a family ({', '.join(KERNEL_FAMILIES)}), optionally with "
+            "a variant (e.g. 'simt_v1')"
+        )
+    return family, variant or None
+
+
+def _family(name: str) -> ModuleType | None:
+    """The kernel family's module, or None when it is not part of this installation."""
+    modname = KERNEL_FAMILIES[name]
+    try:
+        return importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name == modname:
+            return None
+        raise
+
+
+def _family_order(g: Gemm) -> tuple[str, str]:
+    if g.dtype.name in ("float16", "bfloat16") or (g.dtype.name == "float32" and g.precision == "tf32"):
+        return ("tc", "simt")
+    return ("simt", "tc")
+
+
+def _describe(g: Gemm) -> str:
+    lay = ("row" if g.a_row_major else "col") + "/" + ("row" if g.b_row_major else "col")
+    return (
+        f"{g.dtype.name} M={g.M} N={g.N} K={g.K} batch={g.batch} layouts(A/B)={lay} precision={g.precision}"
+        f"{' +bias' if g.bias else ''}{f' act={g.act}' if g.act >= 0 else ''}"
+    )
+
+
+def select_kernel(g: Gemm) -> ModuleType:
+    """The kernel family that runs ``g``: the heuristic.
+
+    1. bfloat16/float16 inputs, and float32 with precision "tf32": the tensor-core family
+       (``matmul_tc``), which is what makes those precisions fast.
+    2. float32 "ieee" and float64: the SIMT family (``matmul_simt``): tensor cores would round
+       float32 inputs (tf32) and Hopper has no mma.sync path that is faster for float64.
+    3. If the preferred family is not installed or its ``supports(g)`` says no (a dtype, layout,
+       alignment or size it does not handle), the other family. For a tf32 problem no family takes,
+       the "ieee" version of it is tried (tf32 is a permission, like torch's allow_tf32, not a
+       requirement); ``_matmul_gpu`` then retries with contiguous operand copies.
+
+    Raises TypeError for a dtype no family handles (not a float type), NotImplementedError when no
+    installed family supports the problem.
+    """
+    return _plan(g)[0]
+
+
+def _plan(g: Gemm, kernel: str | None = None) -> tuple[ModuleType, Gemm, str | None]:
+    """(family module, the Gemm to launch (its precision may be lowered to "ieee"), variant)."""
+    if g.dtype.name not in FLOAT_DTYPES:
+        raise TypeError(f"matmul kernels support {', '.join(FLOAT_DTYPES)}; got {g.dtype.name}")
+    candidates = [g] if g.precision == "ieee" else [g, dataclasses.replace(g, precision="ieee")]
+    if kernel is not None:
+        family, variant = _parse_kernel(kernel)
+        mod = _family(family)
+        if mod is None:
+            raise NotImplementedError(f"matmul kernel family {family!r} ({KERNEL_FAMILIES[family]}) is not installed")
+        for cand in candidates:
+            if mod.supports(cand):
+                return mod, cand, variant
+        raise NotImplementedError(f"{KERNEL_FAMILIES[family]}.supports() declines {_describe(g)}")
+    notes: list[str] = []
+    for cand in candidates:
+        for family in _family_order(cand):
+            mod = _family(family)
+            if mod is None:
+                notes.append(f"{KERNEL_FAMILIES[family]} is not installed")
+                continue
+            if mod.supports(cand):
+                return mod, cand, None
+            notes.append(f"{KERNEL_FAMILIES[family]}.supports() declines it")
+    raise NotImplementedError(f"no matmul kernel for {_describe(g)}: {'; '.join(dict.fromkeys(notes))}")
+
+
+def _launch(mod: ModuleType, g: Gemm, stream: Any, variant: str | None) -> None:
+    if variant is None:
+        mod.launch(g, stream)
+        return
+    fn = getattr(mod, f"launch_{variant}", None)
+    if fn is not None:
+        fn(g, stream)
+    else:
+        mod.launch(g, stream, version=variant)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU path: arrays -> Gemm
+# ---------------------------------------------------------------------------------------------
+
+
+def _ptr(x: Any, kind: str) -> int:
+    return x.data_ptr() if kind == "torch" else x.data.ptr
+
+
+def _elem_strides(x: Any, kind: str) -> tuple[int, ...] | None:
+    """Strides in elements; None for CuPy strides that are negative or not whole elements."""
+    if kind == "torch":
+        return tuple(x.stride())
+    isz = x.itemsize
+    st = x.strides
+    if any(s < 0 or s % isz for s in st):
+        return None
+    return tuple(s // isz for s in st)
+
+
+def _contiguous(x: Any, kind: str) -> Any:
+    if kind == "torch":
+        return x.contiguous()
+    import cupy
+
+    return cupy.ascontiguousarray(x)
+
+
+def _is_contiguous(x: Any, kind: str) -> bool:
+    return bool(x.is_contiguous() if kind == "torch" else x.flags.c_contiguous)
+
+
+def _expand(x: Any, shape: tuple[int, ...], kind: str) -> Any:
+    if kind == "torch":
+        return x.expand(shape)
+    import cupy
+
+    return cupy.broadcast_to(x, shape)
+
+
+def _matrix_layout(r: int, c: int, sr: int, sc: int) -> tuple[int, int] | None:
+    """(row stride, column stride) for a (r, c) matrix with exactly one unit stride, as Gemm wants;
+    the strides of size-1 sides are free and chosen so the layout looks contiguous. None: no unit
+    stride (the operand must be copied)."""
+    if r <= 1 and c <= 1:
+        return (max(c, 1), 1)
+    if c <= 1:  # a column: column-major when its elements are adjacent
+        return (1, r) if sr == 1 else (sr, 1)
+    if r <= 1:  # a row
+        return (c, 1) if sc == 1 else (1, sc)
+    if sc == 1 and sr != 1:
+        return (sr, 1)
+    if sr == 1 and sc != 1:
+        return (1, sc)
+    return None
+
+
+def _operand(x: Any, kind: str, r: int, c: int) -> tuple[Any, tuple[int, ...], tuple[int, int]]:
+    """(array to read, its batch strides, its matrix strides), copying x when no layout fits."""
+    st = _elem_strides(x, kind)
+    lay = None if st is None else _matrix_layout(r, c, st[-2], st[-1])
+    if lay is None:
+        x = _contiguous(x, kind)
+        st = _elem_strides(x, kind)
+        assert st is not None
+        lay = _matrix_layout(r, c, st[-2], st[-1])
+        assert lay is not None
+    return x, st[:-2], lay
+
+
+def _batch_dims(
+    batch: tuple[int, ...], a_shape: Sequence[int], a_st: Sequence[int], b_shape: Sequence[int], b_st: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """The broadcast batch dimensions as [(size, A stride, B stride)], outermost first, with size-1
+    dimensions dropped and adjacent dimensions merged where both operands (and the contiguous C)
+    allow it. A stride of 0 means the operand is broadcast along that dimension."""
+
+    def aligned(shape: Sequence[int], st: Sequence[int]) -> list[int]:
+        lead = len(batch) - len(shape)
+        return [0 if i < lead or shape[i - lead] == 1 else st[i - lead] for i in range(len(batch))]
+
+    sa, sb = aligned(a_shape, a_st), aligned(b_shape, b_st)
+    dims: list[tuple[int, int, int]] = []
+    for n, x, y in zip(batch, sa, sb, strict=True):
+        if n == 1:
+            continue
+        if dims:
+            pn, px, py = dims[-1]
+            if px == x * n and py == y * n:  # outer = inner * n for both operands: one dimension
+                dims[-1] = (pn * n, x, y)
+                continue
+        dims.append((n, x, y))
+    return dims
+
+
+def _build_gemm(
+    a: Any,
+    b: Any,
+    kind: str,
+    *,
+    batch: tuple[int, ...],
+    M: int,
+    K: int,
+    N: int,
+    c_ptr: int,
+    bias_ptr: int,
+    act: int,
+    precision: str,
+    device: int,
+    dtype: DType,
+    contiguous: bool = False,
+) -> tuple[Gemm, Any, Any]:
+    """The Gemm for a (..., M, K) @ b (..., K, N) into the contiguous C at c_ptr, and the arrays it
+    reads (keep them alive until the launch is enqueued).
+
+    Operands with no unit stride in their last two dimensions (or negative CuPy strides) are copied.
+    More than MAX_BATCH_DIMS batch dimensions that do not merge: both operands are made contiguous;
+    if that is still too many (broadcasting interleaves), the broadcast is materialised (expanded
+    copies), which leaves one batch dimension. When B is the same matrix for every batch and A's
+    batches follow each other with A's row stride, the batch is folded into M (one big GEMM).
+    """
+    if contiguous:
+        a, b = _contiguous(a, kind), _contiguous(b, kind)
+    a, a_bst, (sa_m, sa_k) = _operand(a, kind, M, K)
+    b, b_bst, (sb_k, sb_n) = _operand(b, kind, K, N)
+    dims = _batch_dims(batch, a.shape[:-2], a_bst, b.shape[:-2], b_bst)
+    if len(dims) > MAX_BATCH_DIMS:
+        a, a_bst, (sa_m, sa_k) = _operand(_contiguous(a, kind), kind, M, K)
+        b, b_bst, (sb_k, sb_n) = _operand(_contiguous(b, kind), kind, K, N)
+        dims = _batch_dims(batch, a.shape[:-2], a_bst, b.shape[:-2], b_bst)
+    if len(dims) > MAX_BATCH_DIMS:
+        a = _contiguous(_expand(a, (*batch, M, K), kind), kind)
+        b = _contiguous(_expand(b, (*batch, K, N), kind), kind)
+        a, a_bst, (sa_m, sa_k) = _operand(a, kind, M, K)
+        b, b_bst, (sb_k, sb_n) = _operand(b, kind, K, N)
+        dims = _batch_dims(batch, a.shape[:-2], a_bst, b.shape[:-2], b_bst)
+        assert len(dims) <= 1
+    m_eff = M
+    if len(dims) == 1 and dims[0][2] == 0:  # B is one matrix for every batch: try one big GEMM
+        n, za, _ = dims[0]
+        if M == 1 and sa_k == 1 and (za != 1 or K <= 1):
+            sa_m = za  # a single row's stride is free: rows then follow each other by za
+        if za == M * sa_m:  # A's batches continue its rows: A is (n * M, K) with the same strides
+            m_eff, dims = M * n, []
+    dims = [(1, 0, 0)] * (MAX_BATCH_DIMS - len(dims)) + dims
+    g = Gemm(
+        dtype=dtype,
+        M=m_eff,
+        N=N,
+        K=K,
+        a=_ptr(a, kind),
+        b=_ptr(b, kind),
+        c=c_ptr,
+        bias=bias_ptr,
+        act=act,
+        sa_m=sa_m,
+        sa_k=sa_k,
+        sb_k=sb_k,
+        sb_n=sb_n,
+        batch=(dims[0][0], dims[1][0], dims[2][0]),
+        sa_batch=(dims[0][1], dims[1][1], dims[2][1]),
+        sb_batch=(dims[0][2], dims[1][2], dims[2][2]),
+        precision=precision if dtype.name == "float32" else "ieee",
+        device=device,
+    )
+    return g, a, b
+
+
+def _extent(x: Any, kind: str) -> tuple[int, int] | None:
+    """The byte range [lo, hi) an array's elements occupy, None when it has none."""
+    if any(n == 0 for n in x.shape):
+        return None
+    st = tuple(x.stride()) if kind == "torch" else tuple(s // x.itemsize for s in x.strides)
+    isz = x.element_size() if kind == "torch" else x.itemsize
+    p = _ptr(x, kind)
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, st, strict=True))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, st, strict=True))
+    return p + lo * isz, p + (hi + 1) * isz
+
+
+def _overlaps(x: Any, others: Sequence[Any], kind: str) -> bool:
+    ex = _extent(x, kind)
+    if ex is None:
+        return False
+    for o in others:
+        if o is None:
+            continue
+        eo = _extent(o, kind)
+        if eo is not None and ex[0] < eo[1] and eo[0] < ex[1]:
+            return True
+    return False
+
+
+def _empty_gpu(shape: tuple[int, ...], like: Any, kind: str, device: int) -> Any:
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device:
+        return cupy.empty(shape, dtype=like.dtype)
+    with cupy.cuda.Device(device):
+        return cupy.empty(shape, dtype=like.dtype)
+
+
+def _matmul_gpu(
+    a: Any,
+    b: Any,
+    *,
+    precision: str = "ieee",
+    kernel: str | None = None,
+    out: Any = None,
+    bias: Any = None,
+    act: int = -1,
+) -> Any:
+    """``act(a @ b + bias)`` on the GPU with ``numpy.matmul`` shape semantics (for tests and
+    benchmarks; not public API).
+
+    a, b: CuPy arrays or torch CUDA tensors of the same type, device and float dtype (no
+    promotion here). bias: None or (N,) of that dtype; act: -1 or an id of ``ACTIVATIONS``.
+    kernel: None (``select_kernel``'s heuristic, or ``force_kernel``'s), "simt", "tc" or
+    "simt_v1" etc. out: None, or an array of the result's shape and dtype: written directly when it
+    is contiguous and overlaps no input, else through a temporary. The result is allocated with
+    the caller's library on the inputs' device; the launch goes on
+    ``cukit.interop.current_stream(device, torch_involved)``.
+    """
+    kind = "torch" if array_kind(a) == "torch" else "cupy"
+    name = _dtype_name(a, kind)
+    if name not in FLOAT_DTYPES:
+        raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {name}")
+    if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        raise TypeError(f"_matmul_gpu: operands must share the dtype {name}")
+    dt = DTYPES[name]
+    device = device_of(a)
+    if device is None:
+        raise ValueError("_matmul_gpu needs CUDA arrays")
+    batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
+    direct = (
+        out is not None
+        and tuple(out.shape) == out_shape
+        and out.dtype == a.dtype
+        and _is_contiguous(out, kind)
+        and not _overlaps(out, (a, b, bias), kind)
+    )
+    c = out if direct else _empty_gpu(out_shape, a, kind, device)
+    if M * N * math.prod(batch) > 0:
+        a2 = a if a.ndim >= 2 else a[None, :]
+        b2 = b if b.ndim >= 2 else b[:, None]
+        if bias is not None:
+            bias = _contiguous(bias, kind)
+        forced = kernel if kernel is not None else _FORCED
+        args = {
+            "batch": batch,
+            "M": M,
+            "K": K,
+            "N": N,
+            "c_ptr": _ptr(c, kind),
+            "bias_ptr": 0 if bias is None else _ptr(bias, kind),
+            "act": act,
+            "precision": precision,
+            "device": device,
+            "dtype": dt,
+        }
+        g, ka, kb = _build_gemm(a2, b2, kind, **args)
+        try:
+            mod, g, variant = _plan(g, forced)
+        except NotImplementedError:
+            if _is_contiguous(ka, kind) and _is_contiguous(kb, kind):
+                raise
+            g, ka, kb = _build_gemm(a2, b2, kind, contiguous=True, **args)
+            mod, g, variant = _plan(g, forced)
+        _launch(mod, g, current_stream(device, kind == "torch"), variant)
+        del ka, kb  # the launch is enqueued: copies may go back to the pool (stream-ordered)
+    if out is not None and not direct:
+        if kind == "torch":
+            out.copy_(c)
+        else:
+            out[...] = c
+        return out
+    return c
+
+
+def linear_gpu(
+    x: Any, weight: Any, bias: Any, act: int, *, precision: str = "ieee", kernel: str | None = None
+) -> Any:
+    """``act(x @ weight.T + bias)`` in one GEMM launch (bias/activation epilogue) for validated CUDA
+    arrays. weight (out, in), row-major, is read as B with sb_k = 1, sb_n = in: no copy."""
+    w_t = weight.t() if array_kind(weight) == "torch" else weight.T
+    return _matmul_gpu(x, w_t, precision=precision, kernel=kernel, bias=bias, act=act)
+
+
+# ---------------------------------------------------------------------------------------------
+# References: CPU fallbacks and test oracles
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_numpy(a: np.ndarray, b: np.ndarray, *, out: np.ndarray | None = None) -> Any:
+    """``numpy.matmul(a, b, out=out)``; bfloat16 (ml_dtypes), for which NumPy returns float32, is
+    computed in float32 and rounded once to bfloat16."""
+    if a.dtype.name == "bfloat16" or b.dtype.name == "bfloat16":
+        rdt = result_dtype(a.dtype.name, b.dtype.name)
+        if rdt == "bfloat16":
+            r = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(_np_dtype(rdt))
+            if out is None:
+                return r
+            out[...] = r
+            return out
+        a, b = a.astype(_np_dtype(rdt)), b.astype(_np_dtype(rdt))
+    return np.matmul(a, b, out=out)
+
+
+def reference_torch(a: Any, b: Any) -> Any:
+    """``torch.matmul(a, b)`` for same-dtype tensors; bool as NumPy defines it (any of the ANDs)."""
+    import torch
+
+    if a.dtype == torch.bool:
+        return torch.matmul(a.to(torch.int64), b.to(torch.int64)) != 0
+    return torch.matmul(a, b)
+
+
+def _acc_name(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def linear_reference_numpy(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, activation: str | None) -> Any:
+    """NumPy ``act(x @ weight.T + bias)`` with the kernel's maths: fp32 (float64 for float64)
+    product and epilogue, one rounding to x's dtype."""
+    acc = np.dtype(_acc_name(x.dtype.name))
+    z = np.matmul(x.astype(acc), weight.astype(acc).T)
+    if activation is None:
+        y = z if bias is None else z + bias.astype(acc)
+    else:
+        bb = np.zeros(weight.shape[0], acc) if bias is None else bias.astype(acc)
+        y = _bias_act_numpy(z, bb, activation)
+    return np.ascontiguousarray(np.asarray(y).astype(x.dtype))
+
+
+def linear_reference_torch(x: Any, weight: Any, bias: Any, activation: str | None) -> Any:
+    """torch ``act(x @ weight.T + bias)`` with the kernel's maths (fp32 for 16-bit dtypes, one
+    rounding); the torch-CPU fallback."""
+    import torch
+
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = torch.matmul(x.to(acc), weight.to(acc).t())
+    if activation is None:
+        y = z if bias is None else z + bias.to(acc)
+    else:
+        bb = z.new_zeros(weight.shape[0]) if bias is None else bias.to(acc)
+        y = _bias_act_torch(z, bb, activation)
+    return y.to(x.dtype).contiguous()
+

@@ -1,0 +1,197 @@
+"""SIMT (CUDA-core) matmul kernels for float32 (IEEE) and float64: ``raw_kernels/matmul_simt.cu``.
+
+The kernel contract is :class:`cukit.ops._gemm.Gemm`: every kernel takes ``GEMM_SIGNATURE`` and
+computes ``C[z] = act(A[z] @ B[z] + bias)`` for any M, N, K (K == 0 included), either operand
+row- or column-major (chosen by its unit stride), up to three broadcast batch dimensions.
+
+Two versions:
+
+- ``"v1"`` (``matmul_v1``): 32x32 shared-memory tiles, one output per thread. The readable reference.
+- ``"simt"`` (``matmul_simt``): register-blocked. A block computes a BM x BN tile of C with
+  (BM/TM) x (BN/TN) threads of TM x TN outputs each; operands go global -> registers -> shared
+  memory (k-major, two buffers, 16-byte loads where alignment allows), one K-tile ahead.
+  :data:`CONFIGS` holds the tile shapes; :func:`choose_config` picks the smaller tile when the
+  larger one would leave SMs idle. Both kinds of kernel launch on the caller's stream and never
+  synchronize.
+
+The front end (``cukit/ops/matmul.py``) builds the :class:`Gemm`; :func:`supports` says whether
+this family takes it and :func:`launch` runs it on a stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from cukit._device import sm_count
+from cukit._runtime import KernelModule
+from cukit.interop import DTYPES
+from cukit.ops._gemm import GEMM_SIGNATURE, Gemm
+
+__all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch", "supports"]
+
+# Activation ids: -1 (none) and cukit/activations.cuh's (bias_act's ACTIVATIONS).
+ACTS = (-1, 0, 1, 2, 3)
+# (A row-major, B row-major): the four operand layouts every config is instantiated for.
+LAYOUTS = ((True, True), (True, False), (False, True), (False, False))
+
+
+class Tile(NamedTuple):
+    """One tile config of matmul_simt: a block computes BM x BN outputs with (BM/TM) x (BN/TN)
+    threads of TM x TN each, over K-tiles of BK. per_sm (blocks resident per SM) and rate (its
+    throughput relative to the dtype's "large" config, measured at 4096^3 on an H200) feed
+    :func:`choose_config`'s wave model."""
+
+    bm: int
+    bn: int
+    bk: int
+    tm: int
+    tn: int
+    per_sm: int
+    rate: float
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+    @property
+    def template_args(self) -> str:
+        return ", ".join(map(str, (self.bm, self.bn, self.bk, self.tm, self.tn)))
+
+
+# Per dtype: "large" for problems that fill the GPU, "small" (many more blocks) for those that
+# would not. ptxas (sm_90), over the 4 layouts x 5 epilogues: float32 large 213-225 registers (one
+# 256-thread block per SM), small 89-103 (two); float64 large 240-254 (one), small 118-126 (two);
+# no spills. H200, 4096^3 NN: float32 large 44.0 TFLOP/s, small 31.0 (cuBLAS, TF32 off: 51.1);
+# float64 large 20.8, small 15.7 (benchmarks/NOTES.md, "matmul SIMT").
+CONFIGS: dict[str, dict[str, Tile]] = {
+    "float32": {"large": Tile(128, 256, 8, 8, 16, 1, 1.0), "small": Tile(64, 64, 16, 4, 4, 2, 0.7)},
+    "float64": {"large": Tile(128, 128, 8, 8, 8, 1, 1.0), "small": Tile(64, 64, 8, 4, 4, 2, 0.75)},
+}
+V1_TILE = 32
+_MAX_GRID_YZ = 65535
+_INT32_MAX = 2**31 - 1
+
+
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def kernel_name(dtype: str, config: str, a_row: bool, b_row: bool, act: int) -> str:
+    """The NVRTC name expression of one matmul_simt instantiation."""
+    cfg = CONFIGS[dtype][config].template_args
+    return f"matmul_simt<{DTYPES[dtype].ctype}, {cfg}, {_b(a_row)}, {_b(b_row)}, {act}>"
+
+
+def v1_name(dtype: str, act: int) -> str:
+    return f"matmul_v1<{DTYPES[dtype].ctype}, {act}>"
+
+
+def _instantiations() -> dict[str, list[str]]:
+    # Small groups, so that a first call compiles ~1 s of code: one per (dtype, config, act), the
+    # four layouts together; v1 one group per dtype.
+    groups: dict[str, list[str]] = {}
+    for dtype, configs in CONFIGS.items():
+        for config in configs:
+            for act in ACTS:
+                groups[f"{dtype}/{config}/act{act}"] = [
+                    kernel_name(dtype, config, a, b, act) for a, b in LAYOUTS
+                ]
+        groups[f"{dtype}/v1"] = [v1_name(dtype, act) for act in ACTS]
+    return groups
+
+
+KERNELS = KernelModule(
+    "matmul_simt.cu",
+    instantiations=_instantiations(),
+    signatures={"matmul_simt": GEMM_SIGNATURE, "matmul_v1": GEMM_SIGNATURE},
+)
+
+
+def supports(g: Gemm) -> bool:
+    """float32 with IEEE precision, or float64."""
+    return (g.dtype.name == "float32" and g.precision == "ieee") or g.dtype.name == "float64"
+
+
+def operand_layouts(g: Gemm) -> tuple[bool, bool]:
+    """(A row-major, B row-major) as the kernels read them. With a size-1 dimension an operand
+    may have no unit stride at all; then the layout that never uses the stride of that size-1
+    dimension is picked (A row-major assumes sa_k == 1 and uses sa_m; column-major the reverse)."""
+    if g.sa_k == 1:
+        a_row = True
+    elif g.sa_m == 1:
+        a_row = False
+    else:  # M <= 1 or K <= 1: with M <= 1 only sa_k is used (column-major), else only sa_m
+        a_row = g.M > 1
+    if g.sb_n == 1:
+        b_row = True
+    elif g.sb_k == 1:
+        b_row = False
+    else:  # N <= 1: only sb_k is used (row-major); K <= 1: only sb_n (column-major)
+        b_row = g.N <= 1
+    return a_row, b_row
+
+
+def choose_config(g: Gemm) -> str:
+    """The config with the least estimated time: waves (blocks over per_sm x SMs, rounded up)
+    times one wave's work (per_sm x BM x BN per SM) over the config's rate. A problem too small to
+    fill the GPU with large tiles gets the small ones."""
+    sms = sm_count(g.device)
+    best, best_t = "large", float("inf")
+    for name, t in CONFIGS[g.dtype.name].items():
+        blocks = -(-g.M // t.bm) * -(-g.N // t.bn) * g.batch_count
+        est = -(-blocks // (t.per_sm * sms)) * t.per_sm * t.bm * t.bn / t.rate
+        if est < best_t:
+            best, best_t = name, est
+    return best
+
+
+def _fold(rows: int) -> tuple[int, int]:
+    """(grid.y, grid.z) covering `rows` (batch x M-tile) blocks, both <= 65535."""
+    gy = min(rows, _MAX_GRID_YZ)
+    gz = -(-rows // gy)
+    if gz > _MAX_GRID_YZ:
+        raise ValueError(f"matmul: {rows} (batch x row-tile) blocks exceed the CUDA grid")
+    return gy, gz
+
+
+def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = None) -> None:
+    """Run one problem on `stream` (an object with ``.ptr``). version "simt" (fast) or "v1"
+    (reference); config "large" / "small" overrides :func:`choose_config`."""
+    if not supports(g):
+        raise ValueError(f"matmul_simt takes float32 (precision 'ieee') or float64; got {g.dtype} {g.precision}")
+    if g.act not in ACTS:
+        raise ValueError(f"matmul_simt: unknown activation id {g.act}")
+    batch = g.batch_count
+    if g.M <= 0 or g.N <= 0 or batch <= 0:
+        return
+    if version == "v1":
+        gy, gz = min(-(-g.M // V1_TILE), _MAX_GRID_YZ), min(batch, _MAX_GRID_YZ)
+        KERNELS.launch(
+            v1_name(g.dtype.name, g.act),
+            (-(-g.N // V1_TILE), gy, gz),
+            (V1_TILE, V1_TILE),
+            g.kernel_args(),
+            device=g.device,
+            stream=stream,
+        )
+        return
+    if version != "simt":
+        raise ValueError(f"matmul_simt: version must be 'simt' or 'v1'; got {version!r}")
+    config = config or choose_config(g)
+    tile = CONFIGS[g.dtype.name][config]
+    bm, bn, bk = tile.bm, tile.bn, tile.bk
+    if g.K // bk > _INT32_MAX:
+        raise ValueError(f"matmul_simt: K = {g.K} is too large")
+    gx = -(-g.N // bn)
+    if gx > _INT32_MAX:
+        raise ValueError(f"matmul_simt: N = {g.N} is too large")
+    gy, gz = _fold(batch * -(-g.M // bm))
+    a_row, b_row = operand_layouts(g)
+    KERNELS.launch(
+        kernel_name(g.dtype.name, config, a_row, b_row, g.act),
+        (gx, gy, gz),
+        (tile.threads,),
+        g.kernel_args(),
+        device=g.device,
+        stream=stream,
+    )

@@ -1,0 +1,982 @@
+// matmul_tc.cu: tensor-core GEMM, the "tc" matmul family. Two kernels:
+//   matmul_tc        mma.sync + ldmatrix (sm_80+): every dtype and operand layout;
+//   matmul_tc_wgmma  Hopper's wgmma (compiled for sm_90a only): 16-bit, A and B both K-major.
+// Host side, variant choice and the Gemm contract: cukit/ops/matmul_tc.py and cukit/ops/_gemm.py.
+//
+//   C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n])
+//
+// T = __nv_bfloat16 / __half (mma m16n8k16, fp32 accumulation) or float (mma m16n8k8 tf32, each
+// operand rounded with cvt.rna.tf32.f32); C is written in T after the epilogue in fp32.
+//
+// Block tile 128 x 256 x (128 bytes of K: 64 elements of 16 bits, 32 of fp32), 8 warps (2 x 4),
+// warp tile 64 x 64 (4 m16 x 8 n8 MMA tiles, 128 fp32 accumulators per thread).
+//
+// Shared memory holds each operand tile the way it lies in global memory (no transposes):
+// "K-major" (A row-major: sa_k == 1; B column-major: sb_k == 1, nn.Linear's weight) tiles are
+// rows of the M/N extent with 128 bytes of K each and feed ldmatrix; "MN-major" tiles are rows of
+// K holding the 128/256-element M/N extent and feed ldmatrix.trans (16-bit) or plain 32-bit loads
+// (fp32: ldmatrix.trans moves 16-bit elements only). 16-byte chunks are XOR-swizzled within each
+// row (chunk ^ swz(row % 8)) so that every ldmatrix phase and every fp32 fragment load reads 32
+// distinct banks.
+//
+// Load paths (template VEC), chosen on the host:
+//   VEC = 1: every row start is 16-byte aligned (pointer, leading dimension and batch strides):
+//            cp.async 16 B straight into a 3-4 stage ring (stage count = dynamic smem / stage
+//            size); chunks that cross the end of a row copy only their valid bytes (cp.async
+//            src-size) and zero-fill the rest. 16-bit: the copies are issued in 3 parts between
+//            the k-steps and the barrier sits before the last k-step, so the next tile's first
+//            fragments load under its MMAs; fp32 keeps the simpler loop (fewer live registers).
+//   VEC = 2: (fp32) rows 4-byte aligned: the same ring with 4-byte cp.async.
+//   VEC = 0: any alignment (e.g. K = 4093 in bf16). Each row's bytes are fetched as aligned
+//            16-byte chunks (one extra chunk per row) by cp.async into a staging buffer, two
+//            tiles ahead; the tile is then shifted into place in shared memory (two 16-byte
+//            loads, a funnel shift, one 16-byte store per chunk) into a double-buffered compute
+//            tile. Bytes past a row's end are never read (src-size), so they arrive as zeros.
+// All handle any M, N, K (0 included: C = act(bias)), batches through blockIdx.z and 64-bit
+// batch offsets, and a fused bias + activation epilogue.
+#include <cukit/gemm.cuh>
+#include <cukit/vec.cuh>
+
+using namespace cukit;
+
+namespace tc {
+
+using u32 = unsigned int;  // no <cstdint> under NVRTC
+using u64 = unsigned long long;
+
+constexpr int BM = 128;             // block tile rows (M)
+constexpr int BN = 256;             // block tile columns (N)
+constexpr int KB = 128;             // bytes of K per k-tile
+constexpr int NT = 256;             // threads per block
+constexpr int WM = 64;              // warp tile rows
+constexpr int WN = 64;              // warp tile columns
+constexpr int WARPS_N = BN / WN;    // 4 (and BM / WM = 2 warp rows)
+constexpr int MI = WM / 16;         // m16 tiles per warp
+constexpr int NI = WN / 8;          // n8 tiles per warp
+constexpr int A_TILE = BM * KB;     // bytes of one A tile (16 KiB)
+constexpr int B_TILE = BN * KB;     // bytes of one B tile (32 KiB)
+constexpr int STAGE = A_TILE + B_TILE;
+#ifndef CUKIT_TC_GROUP_M
+#define CUKIT_TC_GROUP_M 8
+#endif
+constexpr int GROUP_M = CUKIT_TC_GROUP_M;  // rasterization: sweep 8 tile rows per column of tiles
+constexpr int KSTEPS = 4;           // MMA k-steps per k-tile (32 bytes of K each)
+
+// Geometry of one operand tile. MN: the tile's extent along M (A) or N (B).
+template <typename T, bool KMAJ, int MN> struct Geo {
+  static constexpr int SZ = sizeof(T);
+  static constexpr int EPC = 16 / SZ;                    // elements per 16-byte chunk
+  static constexpr int BK = KB / SZ;                     // K elements per k-tile
+  static constexpr int ROWS = KMAJ ? MN : BK;            // smem rows
+  static constexpr int R = KMAJ ? KB / 16 : MN * SZ / 16;  // 16-byte chunks per row (8..64)
+  static constexpr int CHUNKS = ROWS * R;                // = MN * KB / 16
+  static constexpr int PER_THREAD = CHUNKS / NT;
+  static constexpr int SR = R + 1;                       // staging chunks per row (VEC = 0)
+  static constexpr int STAGING = ROWS * SR * 16;         // staging bytes
+  static constexpr int STAGED_ITERS = (ROWS * SR + NT - 1) / NT;  // staging copies per thread
+  static_assert(CHUNKS % NT == 0 && NT % R == 0, "tile does not split evenly over the threads");
+};
+
+// Which of the 8 XOR patterns row r uses: a permutation of 0..7 whose values for rows 0-3 (and
+// 4-7) differ in bits 1-2, so that the fp32 MN-major fragment loads (rows t and t + 4, two
+// adjacent chunks) are conflict-free as well as the 8-row ldmatrix phases.
+__device__ __forceinline__ int swz(int row) { return ((row & 3) << 1) | ((row >> 2) & 1); }
+
+template <int R> __device__ __forceinline__ u32 chunk_off(int row, int c) {
+  return static_cast<u32>(row * R + (c ^ swz(row))) * 16u;
+}
+
+// ------------------------------------------------------------------------------------ PTX
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts128(u32 addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ u32 to_tf32(u32 x) {
+  u32 y;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(__uint_as_float(x)));
+  return y;
+}
+
+template <typename T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <> struct Mma<float> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// ------------------------------------------------------------------------------------ operands
+// One operand of one batch, seen as a 2-D array: row o (outer) at base + o * ld, its elements
+// i (inner, contiguous) for 0 <= i < I, rows 0 <= o < O. K-major: o = m (or n), i = k;
+// MN-major: o = k, i = m (or n). mn0: the block's first row/column along M (or N).
+struct Operand {
+  const char* base;
+  long long ld, O, I, mn0;
+};
+
+// The compiler would hoist each row's loop-invariant address arithmetic out of the k-loop and
+// keep it in registers, which the accumulators need: hide the value so it is recomputed.
+template <typename V> __device__ __forceinline__ V opaque(V v) {
+  if constexpr (sizeof(V) == 8) {
+    asm volatile("" : "+l"(v));
+  } else {
+    asm volatile("" : "+r"(v));
+  }
+  return v;
+}
+
+template <typename T, bool KMAJ, int MN>
+__device__ __forceinline__ void tile_origin(const Operand& op, int kt, long long& o0, long long& i0) {
+  using G = Geo<T, KMAJ, MN>;
+  o0 = KMAJ ? op.mn0 : static_cast<long long>(kt) * G::BK;
+  i0 = KMAJ ? static_cast<long long>(kt) * G::BK : op.mn0;
+}
+
+// VEC = 1: cp.async the 16-byte chunks [IT0, IT1) of this thread (of G::PER_THREAD) of k-tile
+// kt into their swizzled places at dst. Thread tid copies chunk tid % R of rows
+// tid / R + it * (NT / R).
+template <typename T, bool KMAJ, int MN, int IT0, int IT1>
+__device__ __forceinline__ void load_tile_vec(u32 dst, const Operand& op, int kt, int tid_) {
+  using G = Geo<T, KMAJ, MN>;
+  constexpr int STEP = NT / G::R;  // rows between a thread's chunks
+  const int tid = opaque(tid_);
+  long long o0, i0;
+  tile_origin<T, KMAJ, MN>(op, kt, o0, i0);
+  const int c = tid % G::R, row0 = tid / G::R;
+  const long long i = i0 + c * G::EPC;
+  const long long rem = op.I - i;  // valid elements from this chunk on (same for every row)
+  const int vbytes = rem <= 0 ? 0 : (rem >= G::EPC ? 16 : static_cast<int>(rem) * G::SZ);
+  const long long ld = opaque(op.ld);
+  const char* src = op.base + ((o0 + row0) * ld + i) * G::SZ;
+  const long long step = STEP * ld * G::SZ;
+  const long long rows_left = op.O - o0 - row0;  // row row0 + STEP * it is valid while < rows_left
+  const u32 d = dst + chunk_off<G::R>(row0, c);
+#pragma unroll
+  for (int it = IT0; it < IT1; ++it) {
+    const bool ok = STEP * it < rows_left && vbytes > 0;
+    // STEP is a multiple of 8 (R <= 32 for 16-byte loads): every row has row0's swizzle
+    const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16 : dst + chunk_off<G::R>(row0 + STEP * it, c);
+    cp_async16(dd, ok ? src + it * step : op.base, ok ? vbytes : 0);
+  }
+}
+
+// VEC = 2: as VEC = 1 with 4-byte copies, for rows that are only 4-byte aligned (any fp32
+// operand; 16-bit ones with an even leading dimension). Lane l copies word l % 4 of chunk l / 4,
+// so a warp copies 128 contiguous bytes per instruction.
+template <typename T, bool KMAJ, int MN, int IT0, int IT1>
+__device__ __forceinline__ void load_tile_w4(u32 dst, const Operand& op, int kt, int tid_) {
+  using G = Geo<T, KMAJ, MN>;
+  constexpr int CPT = NT / 4;  // chunks per pass
+  constexpr int STEP = CPT / G::R;  // rows per pass
+  static_assert(CPT % G::R == 0, "a pass must cover whole rows");
+  const int tid = opaque(tid_);
+  long long o0, i0;
+  tile_origin<T, KMAJ, MN>(op, kt, o0, i0);
+  const int c = (tid >> 2) % G::R, w = tid & 3, row0 = (tid >> 2) / G::R;
+  const long long i = i0 + c * G::EPC + w * (4 / G::SZ);
+  const long long rem = op.I - i;
+  const int vbytes = rem <= 0 ? 0 : (rem * G::SZ >= 4 ? 4 : static_cast<int>(rem) * G::SZ);
+  const long long ld = opaque(op.ld);
+  const char* src = op.base + ((o0 + row0) * ld + i) * G::SZ;
+  const long long step = STEP * ld * G::SZ;
+  const u32 d = dst + chunk_off<G::R>(row0, c) + 4 * w;
+  const long long rows_left = op.O - o0 - row0;  // rows o0 + row0 + STEP * it valid while < O
+#pragma unroll
+  for (int it = IT0; it < IT1; ++it) {
+    const bool ok = STEP * it < rows_left && vbytes > 0;
+    // rows row0 + STEP * it share row0's swizzle when STEP is a multiple of 8
+    const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16
+                                 : dst + chunk_off<G::R>(row0 + STEP * it, c) + 4 * w;
+    cp_async4(dd, ok ? src + it * step : op.base, ok ? vbytes : 0);
+  }
+}
+
+// VEC = 0, step 1: cp.async the aligned 16-byte chunks that hold each row's bytes of k-tile kt
+// (R + 1 chunks per row) into the staging buffer at dst, unswizzled. Chunk j of row o starts at
+// align16(row start) + 16 j; it copies only the bytes before the row's end (src-size), so
+// elements past I arrive as zeros and nothing past the operand is read. The bytes before the row
+// start in its first chunk lie in the same 16-byte block as a valid element, hence in the same
+// allocation; they are skipped by the shift.
+template <typename T, bool KMAJ, int MN, int IT0, int IT1>
+__device__ __forceinline__ void load_tile_staged(u32 dst, const Operand& op, int kt, int tid_) {
+  const int tid = opaque(tid_);
+  using G = Geo<T, KMAJ, MN>;
+  long long o0, i0;
+  tile_origin<T, KMAJ, MN>(op, kt, o0, i0);
+  const u64 base = opaque(reinterpret_cast<u64>(op.base));
+  const long long ld = opaque(op.ld);
+  constexpr int TOTAL = G::ROWS * G::SR;
+#pragma unroll
+  for (int it = IT0; it < IT1; ++it) {
+    const int q = tid + it * NT;
+    if (TOTAL % NT == 0 || q < TOTAL) {
+      const int row = q / G::SR;
+      const int j = q - row * G::SR;
+      const long long o = o0 + row;
+      int bytes = 0;
+      const char* src = op.base;
+      if (o < op.O) {
+        const u64 start = base + static_cast<u64>((o * ld + i0) * G::SZ);
+        const u64 end = base + static_cast<u64>((o * ld + op.I) * G::SZ);
+        const u64 p = (start & ~static_cast<u64>(15)) + 16u * j;
+        if (p < end) {
+          bytes = end - p >= 16 ? 16 : static_cast<int>(end - p);
+          src = reinterpret_cast<const char*>(p);
+        }
+      }
+      cp_async16(dst + q * 16, src, bytes);
+    }
+  }
+}
+
+// The copies of one k-tile come in 3 parts (A; the first half of B; the second half), issued
+// before the MMAs of k-steps 0, 1 and 2 so that they interleave with them.
+template <typename T, bool AK, bool BK, int VEC, int PART>
+__device__ __forceinline__ void load_part(u32 dst, const Operand& opa, const Operand& opb, int kt, int tid) {
+  using GA = Geo<T, AK, BM>;
+  using GB = Geo<T, BK, BN>;
+  if constexpr (VEC == 1) {
+    constexpr int H = GB::PER_THREAD / 2;
+    if constexpr (PART == 0) load_tile_vec<T, AK, BM, 0, GA::PER_THREAD>(dst, opa, kt, tid);
+    if constexpr (PART == 1) load_tile_vec<T, BK, BN, 0, H>(dst + A_TILE, opb, kt, tid);
+    if constexpr (PART == 2) load_tile_vec<T, BK, BN, H, GB::PER_THREAD>(dst + A_TILE, opb, kt, tid);
+  } else {
+    constexpr int H = GB::PER_THREAD * 2;
+    if constexpr (PART == 0) load_tile_w4<T, AK, BM, 0, GA::PER_THREAD * 4>(dst, opa, kt, tid);
+    if constexpr (PART == 1) load_tile_w4<T, BK, BN, 0, H>(dst + A_TILE, opb, kt, tid);
+    if constexpr (PART == 2) load_tile_w4<T, BK, BN, H, GB::PER_THREAD * 4>(dst + A_TILE, opb, kt, tid);
+  }
+}
+
+// Bytes [s, s + 16) of the 32 bytes lo:hi (s < 16, even).
+__device__ __forceinline__ uint4 funnel(uint4 lo, uint4 hi, u32 s) {
+  const u32 x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  u32 t[7], u[5];
+#pragma unroll
+  for (int i = 0; i < 7; ++i) t[i] = (s & 4) ? x[i + 1] : x[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) u[i] = (s & 8) ? t[i + 2] : t[i];
+  const u32 sh = (s & 2) << 3;  // 0 or 16 bits
+  return make_uint4(__funnelshift_r(u[0], u[1], sh), __funnelshift_r(u[1], u[2], sh),
+                    __funnelshift_r(u[2], u[3], sh), __funnelshift_r(u[3], u[4], sh));
+}
+
+// VEC = 0, step 2: shift each row of the staged k-tile kt into its swizzled place at dst.
+template <typename T, bool KMAJ, int MN, int IT0, int IT1, bool SW128 = false>
+__device__ __forceinline__ void shift_tile(u32 dst, u32 stg, const Operand& op, int kt, int tid_) {
+  const int tid = opaque(tid_);
+  using G = Geo<T, KMAJ, MN>;
+  long long o0, i0;
+  tile_origin<T, KMAJ, MN>(op, kt, o0, i0);
+  const int c = tid % G::R;
+  const u32 base = static_cast<u32>(opaque(reinterpret_cast<u64>(op.base)));
+  const u32 ld = static_cast<u32>(opaque(op.ld));
+#pragma unroll
+  for (int it = IT0; it < IT1; ++it) {
+    const int row = tid / G::R + it * (NT / G::R);
+    const u32 o = static_cast<u32>(o0) + row;  // only the low bits matter
+    const u32 s = (base + (o * ld + static_cast<u32>(i0)) * G::SZ) & 15u;
+    const u32 src = stg + (row * G::SR + c) * 16;
+    const uint4 v = funnel(lds128(src), lds128(src + 16), s);
+    // SW128: wgmma's 128-byte swizzle (K-major rows of 128 bytes, chunk ^ row % 8)
+    sts128(dst + (SW128 ? static_cast<u32>(row * 128 + ((c ^ (row & 7)) << 4)) : chunk_off<G::R>(row, c)), v);
+  }
+}
+
+// VEC = 0: the staging copies (stg: the staging slot) and the shifts (stg -> dst, a compute
+// slot) of one k-tile, in the same 3 parts.
+template <typename T, bool AK, bool BK, int PART>
+__device__ __forceinline__ void stage_part(u32 stg, const Operand& opa, const Operand& opb, int kt, int tid) {
+  using GA = Geo<T, AK, BM>;
+  constexpr int IB = Geo<T, BK, BN>::STAGED_ITERS, H = IB / 2;
+  if constexpr (PART == 0) load_tile_staged<T, AK, BM, 0, GA::STAGED_ITERS>(stg, opa, kt, tid);
+  if constexpr (PART == 1) load_tile_staged<T, BK, BN, 0, H>(stg + GA::STAGING, opb, kt, tid);
+  if constexpr (PART == 2) load_tile_staged<T, BK, BN, H, IB>(stg + GA::STAGING, opb, kt, tid);
+}
+template <typename T, bool AK, bool BK, int PART>
+__device__ __forceinline__ void shift_part(u32 dst, u32 stg, const Operand& opa, const Operand& opb, int kt,
+                                           int tid) {
+  using GA = Geo<T, AK, BM>;
+  using GB = Geo<T, BK, BN>;
+  constexpr int H = GB::PER_THREAD / 2;
+  if constexpr (PART == 0) shift_tile<T, AK, BM, 0, GA::PER_THREAD>(dst, stg, opa, kt, tid);
+  if constexpr (PART == 1) shift_tile<T, BK, BN, 0, H>(dst + A_TILE, stg + GA::STAGING, opb, kt, tid);
+  if constexpr (PART == 2) shift_tile<T, BK, BN, H, GB::PER_THREAD>(dst + A_TILE, stg + GA::STAGING, opb, kt, tid);
+}
+
+// ------------------------------------------------------------------------------------ fragments
+// Per-thread shared-memory offsets of the A and B fragments (see the file comment for the maps).
+// A: 4 registers per m16 tile; B: 2 registers per n8 tile.
+template <typename T, bool KMAJ> struct FragA {
+  using G = Geo<T, KMAJ, BM>;
+  u32 off[MI];  // per m16 tile (K-major: its row; MN-major: its column chunk), k-step 0
+  int f;
+  __device__ __forceinline__ void init(int wm, int lane) {
+    if constexpr (KMAJ) {
+      f = swz(lane);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) off[mi] = (wm * WM + mi * 16 + (lane & 15)) * G::R * 16;
+    } else if constexpr (sizeof(T) == 2) {
+      f = swz(lane);
+      const int row = (lane & 7) + 8 * (lane >> 4);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int c = (wm * WM) / 8 + ((mi * 2 + ((lane >> 3) & 1)) ^ f);
+        off[mi] = (row * G::R + c) * 16;
+      }
+    } else {  // fp32 MN-major: 32-bit loads at (k = t (+4), m = mi * 16 + g (+8))
+      const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int e = wm * WM + mi * 16 + g;
+        off[mi] = (t * G::R + ((e >> 2) ^ swz(t))) * 16 + (e & 3) * 4;
+      }
+      f = 0;
+    }
+  }
+  // Load the fragments of k-step j (0..3) from the tile at smem address s.
+  __device__ __forceinline__ void load(u32 (&a)[MI][4], u32 s, int j, int lane) const {
+    if constexpr (KMAJ) {
+      const u32 col = (((2 * j) | (lane >> 4)) ^ f) * 16;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) ldsm_x4(a[mi], s + off[mi] + col);
+    } else if constexpr (sizeof(T) == 2) {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) ldsm_x4_t(a[mi], s + off[mi] + j * 16 * G::R * 16);
+    } else {
+      // rows j*8 + t and j*8 + t + 4 (swz(t + 4) = swz(t) ^ 1); elements e and e + 8 (chunk + 2)
+#pragma unroll
+      // (offsets within the tile: bits 4-6 are the chunk within a 128-byte line; element e + 8
+      // is chunk + 2 = chunk ^ 2, row t + 4 has swz ^ 1)
+      for (int mi = 0; mi < MI; ++mi) {
+        const u32 p = off[mi] + j * 8 * G::R * 16, q = p + 4 * G::R * 16;
+        a[mi][0] = lds32(s + p);
+        a[mi][1] = lds32(s + (p ^ 32));
+        a[mi][2] = lds32(s + (q ^ 16));
+        a[mi][3] = lds32(s + (q ^ 48));
+      }
+    }
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mi][r] = to_tf32(a[mi][r]);
+    }
+  }
+};
+
+template <typename T, bool KMAJ> struct FragB {
+  using G = Geo<T, KMAJ, BN>;
+  u32 off[NI / 2];  // per pair of n8 tiles (fp32 MN-major: per n8 tile, see off2)
+  u32 off2[NI / 2];
+  int f;
+  __device__ __forceinline__ void init(int wn, int lane) {
+    if constexpr (KMAJ) {
+      f = swz(lane);
+#pragma unroll
+      for (int p = 0; p < NI / 2; ++p) off[p] = (wn * WN + p * 16 + (lane & 7) + 8 * (lane >> 4)) * G::R * 16;
+    } else if constexpr (sizeof(T) == 2) {
+      f = swz(lane);
+      const int row = (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+      for (int p = 0; p < NI / 2; ++p) {
+        const int c = (wn * WN) / 8 + ((2 * p + (lane >> 4)) ^ f);
+        off[p] = (row * G::R + c) * 16;
+      }
+    } else {  // fp32 MN-major: 32-bit loads at (k = t (+4), n = ni * 8 + g)
+      const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+      for (int p = 0; p < NI / 2; ++p) {
+        const int e0 = wn * WN + 2 * p * 8 + g, e1 = e0 + 8;
+        off[p] = (t * G::R + ((e0 >> 2) ^ swz(t))) * 16 + (e0 & 3) * 4;
+        off2[p] = (t * G::R + ((e1 >> 2) ^ swz(t))) * 16 + (e1 & 3) * 4;
+      }
+      f = 0;
+    }
+  }
+  __device__ __forceinline__ void load(u32 (&b)[NI][2], u32 s, int j, int lane) const {
+    if constexpr (KMAJ) {
+      const u32 col = (((2 * j) | ((lane >> 3) & 1)) ^ f) * 16;
+#pragma unroll
+      for (int p = 0; p < NI / 2; ++p) {
+        u32 r[4];
+        ldsm_x4(r, s + off[p] + col);
+        b[2 * p][0] = r[0];
+        b[2 * p][1] = r[1];
+        b[2 * p + 1][0] = r[2];
+        b[2 * p + 1][1] = r[3];
+      }
+    } else if constexpr (sizeof(T) == 2) {
+#pragma unroll
+      for (int p = 0; p < NI / 2; ++p) {
+        u32 r[4];
+        ldsm_x4_t(r, s + off[p] + j * 16 * G::R * 16);
+        b[2 * p][0] = r[0];
+        b[2 * p][1] = r[1];
+        b[2 * p + 1][0] = r[2];
+        b[2 * p + 1][1] = r[3];
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < NI / 2; ++p) {
+        const u32 p0 = off[p] + j * 8 * G::R * 16, p1 = off2[p] + j * 8 * G::R * 16;
+        b[2 * p][0] = lds32(s + p0);
+        b[2 * p][1] = lds32(s + ((p0 + 4 * G::R * 16) ^ 16));
+        b[2 * p + 1][0] = lds32(s + p1);
+        b[2 * p + 1][1] = lds32(s + ((p1 + 4 * G::R * 16) ^ 16));
+      }
+    }
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int n = 0; n < NI; ++n) {
+        b[n][0] = to_tf32(b[n][0]);
+        b[n][1] = to_tf32(b[n][1]);
+      }
+    }
+  }
+};
+
+// The 32 MMAs of one k-step; serpentine over n so consecutive MMAs share an operand.
+template <typename T>
+__device__ __forceinline__ void mma_step(float (&acc)[MI][NI][4], const u32 (&a)[MI][4], const u32 (&b)[NI][2]) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+      const int n = (mi & 1) ? NI - 1 - ni : ni;
+      Mma<T>::run(acc[mi][n], a[mi], b[n]);
+    }
+}
+
+// One whole k-tile of MMAs (the simple loops): fragments of k-step j + 1 loaded while j multiplies.
+template <typename T, bool AK, bool BK>
+__device__ __forceinline__ void compute_tile(float (&acc)[MI][NI][4], const FragA<T, AK>& fa, const FragB<T, BK>& fb,
+                                             u32 sa, u32 sb, int lane) {
+  u32 a[2][MI][4], b[2][NI][2];
+  fa.load(a[0], sa, 0, lane);
+  fb.load(b[0], sb, 0, lane);
+#pragma unroll
+  for (int j = 0; j < KSTEPS; ++j) {
+    if (j + 1 < KSTEPS) {
+      fa.load(a[(j + 1) & 1], sa, j + 1, lane);
+      fb.load(b[(j + 1) & 1], sb, j + 1, lane);
+    }
+    mma_step<T>(acc, a[j & 1], b[j & 1]);
+  }
+}
+
+// Wait until at most stages - 2 groups of copies are pending (stages: 2, 3 or 4).
+__device__ __forceinline__ void cp_async_wait_ring(int stages) {
+  if (stages >= 4) {
+    cp_async_wait<2>();
+  } else if (stages == 3) {
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
+__device__ __forceinline__ u32 dynamic_smem_size() {
+  u32 v;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
+  return v;
+}
+
+}  // namespace tc
+
+// A_K: A is K-major (row-major, sa_k == 1) else M-major (sa_m == 1). B_K: B is K-major
+// (column-major, sb_k == 1) else N-major (sb_n == 1). VEC: see the file comment; the host picks
+// VEC = 1 only when all of A's and B's row starts are 16-byte aligned. Launch: 256 threads,
+// grid (tiles_m * tiles_n, 1, min(batch, 65535)), dynamic shared memory 3 or 4 * 48 KiB (VEC = 1)
+// or 2 * 48 KiB + 2 * staging (VEC = 0; see cukit/ops/matmul_tc.py).
+template <typename T, int ACT, int A_K, int B_K, int VEC>
+__global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
+  using namespace tc;
+  constexpr bool AK = A_K != 0, BKM = B_K != 0;
+  using GA = Geo<T, AK, BM>;
+  using GB = Geo<T, BKM, BN>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const u32 smem = static_cast<u32>(__cvta_generic_to_shared(smem_raw));
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+
+  // Grouped rasterization: consecutive blocks walk GROUP_M tile rows down one tile column, so
+  // the blocks resident at once share A rows and B columns in L2.
+  const int tiles_m = static_cast<int>((M + BM - 1) / BM);
+  const int tiles_n = static_cast<int>((N + BN - 1) / BN);
+  const int bid = blockIdx.x;
+  const int group = GROUP_M * tiles_n;
+  const int first_m = (bid / group) * GROUP_M;
+  const int gsz = min(tiles_m - first_m, GROUP_M);
+  const int tm = first_m + (bid % group) % gsz;
+  const int tn = (bid % group) / gsz;
+  const long long m0 = static_cast<long long>(tm) * BM, n0 = static_cast<long long>(tn) * BN;
+
+  const int KT = static_cast<int>((K + GA::BK - 1) / GA::BK);
+  const int stages = VEC != 0 ? static_cast<int>(dynamic_smem_size() / STAGE) : 2;
+
+  FragA<T, AK> fa;
+  FragB<T, BKM> fb;
+  fa.init(wm, lane);
+  fb.init(wn, lane);
+
+  const long long nbatch = nb0 * nb1 * nb2;
+  for (long long z = blockIdx.z; z < nbatch; z += gridDim.z) {
+    const BatchOffsets off = batch_offset(z, M, N, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
+    const Operand opa{reinterpret_cast<const char*>(A + off.a), AK ? sa_m : sa_k, AK ? M : K, AK ? K : M, m0};
+    const Operand opb{reinterpret_cast<const char*>(B + off.b), BKM ? sb_n : sb_k, BKM ? N : K, BKM ? K : N, n0};
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.0f;
+
+    // Fragments of the current k-step (a[j & 1], b[j & 1]) and of the next one, loaded while the
+    // current one multiplies; across k-tiles too (the barrier comes before the last k-step).
+    if constexpr (VEC == 1 && sizeof(T) == 2) {
+      u32 a[2][MI][4], b[2][NI][2];
+      // Ring of `stages` slots; tile kt in slot kt % stages. Iteration kt: k-steps 0-2 issue the
+      // copies of tile kt + stages - 1 (into the slot tile kt - 1 left, free since the last
+      // barrier); before k-step 3, wait for tile kt + 1 and barrier, then prefetch its k-step 0.
+      for (int s = 0; s < stages - 1; ++s) {
+        if (s < KT) {
+          load_part<T, AK, BKM, VEC, 0>(smem + s * STAGE, opa, opb, s, tid);
+          load_part<T, AK, BKM, VEC, 1>(smem + s * STAGE, opa, opb, s, tid);
+          load_part<T, AK, BKM, VEC, 2>(smem + s * STAGE, opa, opb, s, tid);
+        }
+        cp_async_commit();
+      }
+      cp_async_wait_ring(stages);
+      __syncthreads();
+      if (KT > 0) {
+        fa.load(a[0], smem, 0, lane);
+        fb.load(b[0], smem + A_TILE, 0, lane);
+      }
+      int rd = 0, wr = stages - 1;
+      for (int kt = 0; kt < KT; ++kt) {
+        const bool more = kt + stages - 1 < KT;
+        const u32 sa = smem + rd * STAGE, sb = sa + A_TILE, dst = smem + wr * STAGE;
+        const int lt = kt + stages - 1;
+#pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+          if (j == 0 && more) load_part<T, AK, BKM, VEC, 0>(dst, opa, opb, lt, tid);
+          if (j == 1 && more) load_part<T, AK, BKM, VEC, 1>(dst, opa, opb, lt, tid);
+          if (j == 2 && more) load_part<T, AK, BKM, VEC, 2>(dst, opa, opb, lt, tid);
+          if (j == 2) cp_async_commit();
+          if (j + 1 < KSTEPS) {
+            fa.load(a[(j + 1) & 1], sa, j + 1, lane);
+            fb.load(b[(j + 1) & 1], sb, j + 1, lane);
+          } else {
+            cp_async_wait_ring(stages);
+            __syncthreads();  // tile kt + 1 visible; no warp reads tile kt's slot after this but k-step 3
+            rd = rd + 1 == stages ? 0 : rd + 1;
+            wr = wr + 1 == stages ? 0 : wr + 1;
+            if (kt + 1 < KT) {
+              fa.load(a[0], smem + rd * STAGE, 0, lane);
+              fb.load(b[0], smem + rd * STAGE + A_TILE, 0, lane);
+            }
+          }
+          mma_step<T>(acc, a[j & 1], b[j & 1]);
+        }
+      }
+      cp_async_wait<0>();
+    } else if constexpr (VEC != 0) {
+      // The simple ring (fp32 operands: the interleaved loop's extra live registers cost more
+      // than it gains there): at the top of iteration kt wait for tile kt, barrier, issue all
+      // copies of tile kt + stages - 1 into the slot tile kt - 1 left, then the whole k-tile.
+      for (int s = 0; s < stages - 1; ++s) {
+        if (s < KT) {
+          load_part<T, AK, BKM, VEC, 0>(smem + s * STAGE, opa, opb, s, tid);
+          load_part<T, AK, BKM, VEC, 1>(smem + s * STAGE, opa, opb, s, tid);
+          load_part<T, AK, BKM, VEC, 2>(smem + s * STAGE, opa, opb, s, tid);
+        }
+        cp_async_commit();
+      }
+      int rd = 0, wr = stages - 1;
+      for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait_ring(stages);
+        __syncthreads();  // tile kt visible to all; slot wr no longer read (it held tile kt - 1)
+        if (kt + stages - 1 < KT) {
+          load_part<T, AK, BKM, VEC, 0>(smem + wr * STAGE, opa, opb, kt + stages - 1, tid);
+          load_part<T, AK, BKM, VEC, 1>(smem + wr * STAGE, opa, opb, kt + stages - 1, tid);
+          load_part<T, AK, BKM, VEC, 2>(smem + wr * STAGE, opa, opb, kt + stages - 1, tid);
+        }
+        cp_async_commit();
+        compute_tile<T, AK, BKM>(acc, fa, fb, smem + rd * STAGE, smem + rd * STAGE + A_TILE, lane);
+        rd = rd + 1 == stages ? 0 : rd + 1;
+        wr = wr + 1 == stages ? 0 : wr + 1;
+      }
+      cp_async_wait<0>();
+    } else {
+      // Compute tiles in 2 slots at smem, staging in 2 slots after them. Tile kt: staged at the
+      // top of iteration kt - 2 (prologue for 0 and 1), shifted into compute slot kt % 2 after
+      // the MMAs of iteration kt - 1 (so that the shift's registers do not add to the
+      // fragments'; the other warps' MMAs overlap it), multiplied in iteration kt.
+      const u32 stg = smem + 2 * STAGE;
+      constexpr int STG = GA::STAGING + GB::STAGING;
+      if (KT > 0) {
+        stage_part<T, AK, BKM, 0>(stg, opa, opb, 0, tid);
+        stage_part<T, AK, BKM, 1>(stg, opa, opb, 0, tid);
+        stage_part<T, AK, BKM, 2>(stg, opa, opb, 0, tid);
+      }
+      cp_async_commit();
+      if (KT > 1) {
+        stage_part<T, AK, BKM, 0>(stg + STG, opa, opb, 1, tid);
+        stage_part<T, AK, BKM, 1>(stg + STG, opa, opb, 1, tid);
+        stage_part<T, AK, BKM, 2>(stg + STG, opa, opb, 1, tid);
+      }
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      if (KT > 0) {
+        shift_part<T, AK, BKM, 0>(smem, stg, opa, opb, 0, tid);
+        shift_part<T, AK, BKM, 1>(smem, stg, opa, opb, 0, tid);
+        shift_part<T, AK, BKM, 2>(smem, stg, opa, opb, 0, tid);
+      }
+      for (int kt = 0; kt < KT; ++kt) {
+        const int cur = kt & 1, nxt = cur ^ 1;
+        cp_async_wait<0>();
+        __syncthreads();  // tile kt shifted and visible; staging slot cur and compute slot nxt free
+        if (kt + 2 < KT) {
+          stage_part<T, AK, BKM, 0>(stg + cur * STG, opa, opb, kt + 2, tid);
+          stage_part<T, AK, BKM, 1>(stg + cur * STG, opa, opb, kt + 2, tid);
+          stage_part<T, AK, BKM, 2>(stg + cur * STG, opa, opb, kt + 2, tid);
+        }
+        cp_async_commit();
+        compute_tile<T, AK, BKM>(acc, fa, fb, smem + cur * STAGE, smem + cur * STAGE + A_TILE, lane);
+        if (kt + 1 < KT) {
+          shift_part<T, AK, BKM, 0>(smem + nxt * STAGE, stg + nxt * STG, opa, opb, kt + 1, tid);
+          shift_part<T, AK, BKM, 1>(smem + nxt * STAGE, stg + nxt * STG, opa, opb, kt + 1, tid);
+          shift_part<T, AK, BKM, 2>(smem + nxt * STAGE, stg + nxt * STG, opa, opb, kt + 1, tid);
+        }
+      }
+      cp_async_wait<0>();
+    }
+
+    // Epilogue: act(acc + bias) in fp32, rounded once to T. Thread (g, t) of a warp holds rows
+    // g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile.
+    T* Cz = C + off.c;
+    const int g = lane >> 2, t = lane & 3;
+    const bool pair = (N % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
+    float bv[NI][2];
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+      const long long col = n0 + wn * WN + ni * 8 + 2 * t;
+      bv[ni][0] = (bias != nullptr && col < N) ? to_acc<float>(bias[col]) : 0.0f;
+      bv[ni][1] = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
+    }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const long long row = m0 + wm * WM + mi * 16 + g + 8 * h;
+        if (row >= M) continue;
+        T* crow = Cz + row * N;
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const long long col = n0 + wn * WN + ni * 8 + 2 * t;
+          if (col >= N) continue;
+          const T v0 = from_acc<T>(epilogue<ACT, float>(acc[mi][ni][2 * h], bv[ni][0]));
+          const T v1 = from_acc<T>(epilogue<ACT, float>(acc[mi][ni][2 * h + 1], bv[ni][1]));
+          if (pair) {  // col is even and col + 1 < N (N even)
+            Vec<T, 2> v;
+            v.v[0] = v0;
+            v.v[1] = v1;
+            *reinterpret_cast<Vec<T, 2>*>(crow + col) = v;
+          } else {
+            crow[col] = v0;
+            if (col + 1 < N) crow[col + 1] = v1;
+          }
+        }
+      }
+    }
+    __syncthreads();  // the next batch's prologue overwrites shared memory
+  }
+}
+
+// ============================================================================================
+// sm_90a: wgmma (warpgroup MMA) for K-major A and B (A row-major, B column-major: x @ W.T),
+// 16-byte aligned rows. Same block tile (128 x 256 x 128 bytes), 2 warpgroups of 64 x 256 each
+// (wgmma m64n256k16, 128 fp32 accumulators per thread), operands straight from shared memory in
+// the 128-byte-swizzle layout (chunk ^ (row % 8), 1024-byte aligned), a 4-slot cp.async ring
+// loading 2 tiles ahead (a slot is refilled only after the wgmmas that read it have completed).
+// Compiled only with -arch=sm_90a (cukit/ops/matmul_tc.py's KERNELS_SM90A).
+// ============================================================================================
+namespace tcw {
+using tc::u32;
+using tc::u64;
+
+__device__ __forceinline__ u32 off128(int row, int c) { return static_cast<u32>(row * 128 + ((c ^ (row & 7)) << 4)); }
+
+// One operand's k-tile (rows x 128 bytes, K-major) by cp.async, 16-byte chunks, swizzled.
+template <typename T, int ROWS>
+__device__ __forceinline__ void load_kmajor(u32 dst, const tc::Operand& op, int kt, int tid) {
+  constexpr int EPC = 16 / sizeof(T), BK = 128 / sizeof(T), PER = ROWS * 8 / tc::NT;
+  const int c = tid & 7, row0 = tid >> 3;
+  const long long i = static_cast<long long>(kt) * BK + c * EPC;
+  const long long rem = op.I - i;
+  const int vbytes = rem <= 0 ? 0 : (rem >= EPC ? 16 : static_cast<int>(rem) * static_cast<int>(sizeof(T)));
+  const long long ld = tc::opaque(op.ld);
+  const char* src = op.base + ((op.mn0 + row0) * ld + i) * static_cast<long long>(sizeof(T));
+  const long long step = 32 * ld * static_cast<long long>(sizeof(T));
+  const long long rows_left = op.O - op.mn0 - row0;
+  const u32 d = dst + off128(row0, c);
+#pragma unroll
+  for (int it = 0; it < PER; ++it) {
+    const bool ok = 32 * it < rows_left && vbytes > 0;
+    tc::cp_async16(d + it * 32 * 128, ok ? src + it * step : op.base, ok ? vbytes : 0);
+  }
+}
+
+__device__ __forceinline__ u64 desc128(u32 addr) {
+  // start address, leading byte offset 16 (unused with this swizzle), stride byte offset 1024
+  // (8 rows of 128 bytes), 128-byte swizzle
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(1) << 16) | (static_cast<u64>(1024 >> 4) << 32) |
+         (static_cast<u64>(1) << 62);
+}
+
+template <typename T> struct Wgmma;
+template <> struct Wgmma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "l"(da), "l"(db));
+#endif
+  }
+};
+template <> struct Wgmma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "l"(da), "l"(db));
+#endif
+  }
+};
+
+__device__ __forceinline__ void wg_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wg_wait(float (&d)[128]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");  // accumulators are live here
+}
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+}  // namespace tcw
+
+// wgmma path: A K-major (sa_k == 1), B K-major (sb_k == 1). VEC = 1: every row start 16-byte
+// aligned; VEC = 0: any alignment. Launch: 256 threads, grid as matmul_tc, dynamic shared memory
+// 4 * 48 KiB + 1 KiB (VEC = 1) or 2 * 48 KiB + 2 * 54 KiB + 1 KiB (VEC = 0).
+template <typename T, int ACT, int VEC>
+__global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T)) {
+  using namespace tc;
+  constexpr int BKE = KB / static_cast<int>(sizeof(T));
+  constexpr int S = 4;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 smem = (static_cast<u32>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int tiles_m = static_cast<int>((M + BM - 1) / BM);
+  const int tiles_n = static_cast<int>((N + BN - 1) / BN);
+  const int bid = blockIdx.x;
+  const int group = GROUP_M * tiles_n;
+  const int first_m = (bid / group) * GROUP_M;
+  const int gsz = min(tiles_m - first_m, GROUP_M);
+  const int tm = first_m + (bid % group) % gsz;
+  const int tn = (bid % group) / gsz;
+  const long long m0 = static_cast<long long>(tm) * BM, n0 = static_cast<long long>(tn) * BN;
+  const int KT = static_cast<int>((K + BKE - 1) / BKE);
+
+  const long long nbatch = nb0 * nb1 * nb2;
+  for (long long z = blockIdx.z; z < nbatch; z += gridDim.z) {
+    const BatchOffsets off = batch_offset(z, M, N, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
+    const Operand opa{reinterpret_cast<const char*>(A + off.a), sa_m, M, K, m0};
+    const Operand opb{reinterpret_cast<const char*>(B + off.b), sb_n, N, K, n0};
+
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+
+    if constexpr (VEC == 1) {
+      for (int s = 0; s < S - 2; ++s) {
+        if (s < KT) {
+          tcw::load_kmajor<T, BM>(smem + s * STAGE, opa, s, tid);
+          tcw::load_kmajor<T, BN>(smem + s * STAGE + A_TILE, opb, s, tid);
+        }
+        cp_async_commit();
+      }
+      for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<S - 3>();
+        tcw::fence_proxy_async();  // the copies (generic proxy) before the wgmmas (async proxy) read them
+        __syncthreads();           // tile kt visible; every warpgroup's wgmmas of tile kt - 2 are complete
+        if (kt + S - 2 < KT) {
+          const u32 dst = smem + ((kt + S - 2) % S) * STAGE;
+          tcw::load_kmajor<T, BM>(dst, opa, kt + S - 2, tid);
+          tcw::load_kmajor<T, BN>(dst + A_TILE, opb, kt + S - 2, tid);
+        }
+        cp_async_commit();
+        const u32 sa = smem + (kt % S) * STAGE + wg * 64 * 128, sb = smem + (kt % S) * STAGE + A_TILE;
+        tcw::wg_fence();
+  #pragma unroll
+        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::run(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
+        tcw::wg_commit();
+        tcw::wg_wait<1>(d);
+      }
+    } else {
+      // Any alignment: tiles staged by cp.async two ahead and shifted into the 128-byte-swizzle
+      // layout (as matmul_tc's VEC = 0) in 2 compute slots; the shift of tile kt + 1 runs while
+      // the wgmmas of tile kt execute.
+      using GA = Geo<T, true, BM>;
+      using GB = Geo<T, true, BN>;
+      const u32 stg = smem + 2 * STAGE;
+      constexpr int STG = GA::STAGING + GB::STAGING;
+      constexpr int IA = GA::STAGED_ITERS, IB = GB::STAGED_ITERS;
+      if (KT > 0) {
+        load_tile_staged<T, true, BM, 0, IA>(stg, opa, 0, tid);
+        load_tile_staged<T, true, BN, 0, IB>(stg + GA::STAGING, opb, 0, tid);
+      }
+      cp_async_commit();
+      if (KT > 1) {
+        load_tile_staged<T, true, BM, 0, IA>(stg + STG, opa, 1, tid);
+        load_tile_staged<T, true, BN, 0, IB>(stg + STG + GA::STAGING, opb, 1, tid);
+      }
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      if (KT > 0) {
+        shift_tile<T, true, BM, 0, GA::PER_THREAD, true>(smem, stg, opa, 0, tid);
+        shift_tile<T, true, BN, 0, GB::PER_THREAD, true>(smem + A_TILE, stg + GA::STAGING, opb, 0, tid);
+      }
+      for (int kt = 0; kt < KT; ++kt) {
+        const int cur = kt & 1, nxt = cur ^ 1;
+        cp_async_wait<0>();
+        tcw::fence_proxy_async();  // this thread's shifted stores before the wgmmas read them
+        __syncthreads();  // tile kt shifted, tile kt + 1 staged; the wgmmas of tile kt - 1 complete
+        if (kt + 2 < KT) {
+          load_tile_staged<T, true, BM, 0, IA>(stg + cur * STG, opa, kt + 2, tid);
+          load_tile_staged<T, true, BN, 0, IB>(stg + cur * STG + GA::STAGING, opb, kt + 2, tid);
+        }
+        cp_async_commit();
+        const u32 sa = smem + cur * STAGE + wg * 64 * 128, sb = smem + cur * STAGE + A_TILE;
+        tcw::wg_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::run(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
+        tcw::wg_commit();
+        if (kt + 1 < KT) {
+          const u32 dst = smem + nxt * STAGE, src = stg + nxt * STG;
+          shift_tile<T, true, BM, 0, GA::PER_THREAD, true>(dst, src, opa, kt + 1, tid);
+          shift_tile<T, true, BN, 0, GB::PER_THREAD, true>(dst + A_TILE, src + GA::STAGING, opb, kt + 1, tid);
+        }
+        tcw::wg_wait<0>(d);
+      }
+    }
+    tcw::wg_wait<0>(d);
+    cp_async_wait<0>();
+
+    // Epilogue. Warp w of the warpgroup holds rows 16 (w % 4) + g and + 8 of its 64; d[4 i + r]:
+    // columns 8 i + 2 t (+1), rows g (r < 2) and g + 8 (r >= 2).
+    T* Cz = C + off.c;
+    const int g = lane >> 2, t = lane & 3;
+    const bool pair = (N % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long long row = m0 + wg * 64 + (warp & 3) * 16 + g + 8 * h;
+      if (row >= M) continue;
+      T* crow = Cz + row * N;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const long long col = n0 + 8 * i + 2 * t;
+        if (col >= N) continue;
+        const float b0 = bias != nullptr ? to_acc<float>(bias[col]) : 0.0f;
+        const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
+        const T v0 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h], b0));
+        const T v1 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h + 1], b1));
+        if (pair) {
+          Vec<T, 2> v;
+          v.v[0] = v0;
+          v.v[1] = v1;
+          *reinterpret_cast<Vec<T, 2>*>(crow + col) = v;
+        } else {
+          crow[col] = v0;
+          if (col + 1 < N) crow[col + 1] = v1;
+        }
+      }
+    }
+    __syncthreads();
+  }
+}

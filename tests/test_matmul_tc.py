@@ -1,0 +1,333 @@
+"""matmul_tc: the tensor-core kernels (mma.sync + ldmatrix) called directly with Gemm problems built
+from torch CUDA tensors, against float64 products of the same (exactly representable) inputs.
+
+Error bound per element: the inputs are exact in bf16/fp16 and the products are exact in fp32, so
+only the fp32 accumulation (Higham's gamma_K for any summation order: K * eps32 * (|A| @ |B|)) and
+one rounding of the output (unit roundoff u: bf16 2^-8, fp16 2^-11) remain. tf32 rounds each input
+to 10 mantissa bits first: add 2 * 2^-11 * (|A| @ |B|). The epilogue (bias + activation in fp32) adds
+a few fp32 roundings and the activation's slope (<= 1.2) times the accumulation error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cukit.interop import DTYPES
+from cukit.ops import matmul_tc as mt
+from cukit.ops._gemm import Gemm
+from cukit.ops.bias_act import ACTIVATIONS, reference_numpy
+
+ACT_NAMES = {v: k for k, v in ACTIVATIONS.items()}
+LAYOUTS = [(True, True), (True, False), (False, True), (False, False)]  # (A row-major, B row-major)
+LAYOUT_IDS = ["NN", "NT", "TN", "TT"]  # T: stored transposed (column-major); NT: x @ W.T (nn.Linear)
+EPS32 = 2.0**-23
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+
+
+def _has_nvrtc() -> bool:
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _g(dtype: str = "bfloat16", **kw) -> Gemm:
+    base = dict(dtype=DTYPES[dtype], M=256, N=512, K=128, a=0, b=1 << 20, c=1 << 30, bias=0, act=-1,
+                sa_m=128, sa_k=1, sb_k=512, sb_n=1)
+    base.update(kw)
+    return Gemm(**base)
+
+
+# ------------------------------------------------------------------------------------------ CPU
+# Every declared instantiation (sm_80, sm_90 and the sm_90a wgmma module) is compiled offline by
+# `cukit check-kernels`, which `make test` runs before pytest.
+
+
+def test_instantiations_cover_every_launch():
+    declared = set(mt.KERNELS.all_instantiations())
+    for dtype, loads in mt.LOADS.items():
+        for load in loads:
+            for a_k, b_k in LAYOUTS:
+                for act in mt.ACTS:
+                    assert mt.kernel_name(dtype, act, a_k, b_k, load) in declared
+    wgmma = set(mt.KERNELS_SM90A.all_instantiations())
+    for dtype in ("bfloat16", "float16"):
+        for load in (0, 1):
+            for act in mt.ACTS:
+                assert mt.wgmma_name(dtype, act, load) in wgmma
+    assert mt.wgmma_smem_bytes(0) <= 227 * 1024 and mt.wgmma_smem_bytes(1) <= 227 * 1024
+
+
+def test_operand_layouts_follow_the_unit_stride():
+    assert mt.operand_layouts(_g()) == (True, False)  # row-major A, row-major B
+    assert mt.operand_layouts(_g(sa_m=1, sa_k=256, sb_k=1, sb_n=128)) == (False, True)
+    # a size-1 dimension: the layout that never multiplies by its stride
+    assert mt.operand_layouts(_g(M=1, sa_m=7, sa_k=3)) == (False, False)
+    assert mt.operand_layouts(_g(K=1, sa_m=7, sa_k=3, sb_k=5, sb_n=9)) == (True, True)
+    assert mt.operand_layouts(_g(N=1, sb_k=5, sb_n=9)) == (True, False)
+
+
+def test_load_path_checks_every_row_start():
+    assert mt.load_path(_g()) == 1
+    assert mt.load_path(_g(a=2)) == 0  # pointer off by one bf16 element
+    assert mt.load_path(_g(K=4093, sa_m=4093)) == 0  # odd leading dimension
+    assert mt.load_path(_g(M=1, sa_m=4093)) == 1  # ... unless there is one row
+    assert mt.load_path(_g(batch=(2, 1, 1), sa_batch=(4, 0, 0))) == 0  # batch stride 8 bytes
+    assert mt.load_path(_g(batch=(2, 1, 1), sa_batch=(8, 0, 0), sb_batch=(0, 0, 0))) == 1
+    assert mt.load_path(_g("float32", precision="tf32")) == 1
+    assert mt.load_path(_g("float32", precision="tf32", K=127, sa_m=127)) == 2
+    assert mt.load_path(_g("float32", precision="tf32", b=(1 << 20) + 4)) == 2
+
+
+def test_shared_memory_fits_hopper_and_a100():
+    h100, a100 = 227 * 1024, 163 * 1024
+    for dtype in ("bfloat16", "float16", "float32"):
+        for a_k, b_k in LAYOUTS:
+            g = _g(dtype, sa_m=128 if a_k else 1, sa_k=1 if a_k else 256,
+                   sb_k=1 if b_k else 512, sb_n=128 if b_k else 1)
+            for load in mt.LOADS[dtype]:
+                assert 0 < mt.smem_bytes(g, load, h100) <= h100
+                if load != 0:
+                    assert mt.smem_bytes(g, load, a100) == 3 * mt.STAGE
+    assert mt.smem_bytes(_g(), 0, a100) == 0  # the staged path needs Hopper's shared memory
+
+
+def test_supports_dtypes_and_precisions():
+    assert not mt.supports(_g("float32"))  # IEEE float32: the SIMT family
+    assert not mt.supports(_g("float64"))
+    assert not mt.supports(_g(act=7))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+torch = pytest.importorskip("torch")
+
+
+def _tensor(shape, dtype, device="cuda", row_major=True, scale=1.0):
+    """Random values exactly representable in dtype; row_major=False stores the last two
+    dimensions transposed (a .mT view, no copy)."""
+    tdt = getattr(torch, dtype)
+    if row_major or len(shape) < 2:
+        t = torch.randn(*shape, device=device)
+    else:
+        t = torch.randn(*shape[:-2], shape[-1], shape[-2], device=device).mT
+    return (t * scale).to(tdt)
+
+
+def make_gemm(a, b, c, bias=None, act=-1, precision="ieee") -> Gemm:
+    """The Gemm of c = act(a @ b + bias) for torch tensors a (..., M, K), b (..., K, N) and a
+    contiguous c (..., M, N), batch dimensions broadcast (up to 3)."""
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    assert len(batch) <= 3 and c.is_contiguous() and tuple(c.shape) == (*batch, M, N)
+    ae, be = a.expand(*batch, M, K), b.expand(*batch, K, N)
+    pad = 3 - len(batch)
+    return Gemm(
+        dtype=DTYPES[str(a.dtype).removeprefix("torch.")], M=M, N=N, K=K,
+        a=a.data_ptr(), b=b.data_ptr(), c=c.data_ptr(), bias=0 if bias is None else bias.data_ptr(), act=act,
+        sa_m=ae.stride(-2), sa_k=ae.stride(-1), sb_k=be.stride(-2), sb_n=be.stride(-1),
+        batch=(1,) * pad + batch, sa_batch=(0,) * pad + tuple(ae.stride()[:-2]),
+        sb_batch=(0,) * pad + tuple(be.stride()[:-2]), precision=precision, device=a.device.index or 0,
+    )
+
+
+def run(a, b, bias=None, act=-1, precision="ieee", load=None, out=None, version=None):
+    """Launch on torch's current stream into a NaN-poisoned c; returns c. version "mma" keeps
+    K-major x K-major problems off the wgmma kernels (on Hopper they take them by default)."""
+    from cukit.interop import current_stream
+
+    M, N = a.shape[-2], b.shape[-1]
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    c = out if out is not None else torch.full((*batch, M, N), float("nan"), dtype=a.dtype, device=a.device)
+    g = make_gemm(a, b, c, bias, act, precision)
+    mt.launch(g, current_stream(g.device, True), load=load, version=version)
+    torch.cuda.synchronize()
+    return c
+
+
+def check(c, a, b, bias=None, act=-1, tf32=False):
+    """c against float64, with the bound in the module docstring; every element must be written."""
+    dtype = str(c.dtype).removeprefix("torch.")
+    K = a.shape[-1]
+    assert not torch.isnan(c).any(), f"{int(torch.isnan(c).sum())} elements not written (or NaN)"
+    ad, bd = a.double(), b.double()
+    z = ad @ bd
+    mag = ad.abs() @ bd.abs()
+    if bias is not None:
+        z = z + bias.double()
+        mag = mag + bias.double().abs()
+    acc_err = (K + 2) * EPS32 * mag
+    if tf32:
+        acc_err = acc_err + 2 * 2.0**-11 * mag
+    if act >= 0:
+        y = torch.from_numpy(reference_numpy(z.cpu().numpy(), np.zeros(z.shape[-1]), ACT_NAMES[act])).to(z.device)
+        bound = 1.2 * acc_err + 8 * EPS32 * (z.abs() + y.abs()) + 1e-30
+    else:
+        y, bound = z, acc_err
+    bound = bound + UNIT_ROUNDOFF[dtype] * (y.abs() + bound) + (2.0**-24 if dtype == "float16" else 1e-38)
+    err = (c.double() - y).abs()
+    bad = err > bound
+    if bad.any():
+        i = int(torch.argmax((err - bound).flatten()))
+        raise AssertionError(
+            f"{int(bad.sum())} of {c.numel()} elements off; worst at flat index {i}: got {c.flatten()[i].item()}, "
+            f"want {y.flatten()[i].item()} (bound {bound.flatten()[i].item():.3g})"
+        )
+
+
+gpu = pytest.mark.gpu
+DTYPE_PARAMS = [("bfloat16", "ieee"), ("float16", "ieee"), ("float32", "tf32")]
+SHAPES = [(1, 1, 1), (5, 3, 2), (7, 13, 5), (129, 257, 67), (64, 100, 200), (200, 40, 33), (256, 512, 256)]
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(("dtype", "precision"), DTYPE_PARAMS, ids=[d for d, _ in DTYPE_PARAMS])
+def test_gpu_odd_shapes_every_layout(dtype, precision, layout):
+    """M, N, K of 1, primes, K and N not multiples of 8, several tiles; the natural load path
+    (misaligned leading dimensions take path 0 / 2), then the unaligned path forced on each; for
+    x @ W.T both kernel families."""
+    torch.manual_seed(0)
+    slow = {"bfloat16": 0, "float16": 0, "float32": 2}[dtype]
+    # x @ W.T (A and B K-major) runs on the wgmma kernels on Hopper: test mma.sync there too
+    versions = (None, "mma") if layout == (True, False) and dtype != "float32" else (None,)
+    for M, N, K in SHAPES:
+        a = _tensor((M, K), dtype, row_major=layout[0])
+        b = _tensor((K, N), dtype, row_major=layout[1])
+        for load in (None, slow):
+            for version in versions:
+                check(run(a, b, precision=precision, load=load, version=version), a, b, tf32=precision == "tf32")
+
+
+@gpu
+@pytest.mark.parametrize("layout", [(True, True), (True, False)], ids=["NN", "NT"])
+def test_gpu_prime_4097x4095x4093(layout):
+    """The misaligned case that makes cuBLAS slow: every leading dimension odd."""
+    torch.manual_seed(1)
+    a = _tensor((4097, 4093), "bfloat16")
+    b = _tensor((4093, 4095), "bfloat16", row_major=layout[1])
+    g = make_gemm(a, b, torch.empty(4097, 4095, dtype=torch.bfloat16, device="cuda"))
+    assert mt.load_path(g) == 0
+    rows = torch.cat([torch.tensor([0, 4096]), torch.randperm(4097)[:62]]).cuda()
+    for version in (None, "mma") if layout == (True, False) else (None,):
+        c = run(a, b, version=version)
+        assert not torch.isnan(c).any()
+        check(c[rows], a[rows], b)
+
+
+@gpu
+def test_gpu_k_zero_is_the_epilogue_of_zero():
+    torch.manual_seed(2)
+    a = torch.empty(70, 0, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty(0, 300, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(run(a, b), torch.zeros(70, 300, dtype=torch.bfloat16, device="cuda"))
+    bias = _tensor((300,), "bfloat16")
+    c = run(a, b, bias, act=ACTIVATIONS["gelu_tanh"])
+    check(c, a, b, bias, ACTIVATIONS["gelu_tanh"])
+    bt = torch.empty(300, 0, dtype=torch.bfloat16, device="cuda").t()  # K-major: the wgmma kernel on Hopper
+    c = run(a, bt, bias, act=ACTIVATIONS["gelu_tanh"])
+    check(c, a, bt, bias, ACTIVATIONS["gelu_tanh"])
+
+
+@gpu
+@pytest.mark.parametrize(("dtype", "precision"), DTYPE_PARAMS, ids=[d for d, _ in DTYPE_PARAMS])
+def test_gpu_batched_with_broadcast(dtype, precision):
+    """Three batch dimensions, A broadcast along the first (stride 0), B along the second."""
+    torch.manual_seed(3)
+    a = _tensor((1, 3, 2, 70, 48), dtype).expand(4, 3, 2, 70, 48)
+    b = _tensor((4, 1, 2, 48, 90), dtype, row_major=False).expand(4, 3, 2, 48, 90)
+    check(run(a, b, precision=precision), a, b, tf32=precision == "tf32")
+    a2 = _tensor((2, 33, 21), dtype)  # odd K: misaligned batch strides
+    b2 = _tensor((21, 17), dtype)
+    check(run(a2, b2, precision=precision), a2, b2, tf32=precision == "tf32")
+
+
+@gpu
+def test_gpu_more_batches_than_grid_z():
+    torch.manual_seed(4)
+    a = _tensor((70000, 3, 8), "bfloat16")
+    b = _tensor((70000, 8, 5), "bfloat16")
+    check(run(a, b), a, b)
+    bt = _tensor((70000, 8, 5), "bfloat16", row_major=False)
+    check(run(a, bt), a, bt)
+
+
+@gpu
+@pytest.mark.parametrize("act", [-1, *ACTIVATIONS.values()], ids=["none", *ACTIVATIONS])
+def test_gpu_epilogue_bias_and_activation(act):
+    """bias + each activation on nn.Linear's layout (x @ W.T), both kernel families, aligned;
+    gelu also misaligned."""
+    torch.manual_seed(5)
+    x = _tensor((300, 96), "bfloat16")
+    w = _tensor((260, 96), "bfloat16")  # (out, in)
+    bias = _tensor((260,), "bfloat16")
+    for version in (None, "mma"):
+        check(run(x, w.t(), bias, act, version=version), x, w.t(), bias, act)
+    if act == ACTIVATIONS["gelu"]:
+        x2, w2 = _tensor((131, 77), "bfloat16"), _tensor((259, 77), "bfloat16")
+        bias2 = _tensor((259,), "bfloat16")
+        for version in (None, "mma"):
+            check(run(x2, w2.t(), bias2, act, version=version), x2, w2.t(), bias2, act)
+
+
+@gpu
+@pytest.mark.parametrize(("dtype", "precision"), DTYPE_PARAMS, ids=[d for d, _ in DTYPE_PARAMS])
+def test_gpu_misaligned_pointers_and_guarded_output(dtype, precision):
+    """Operands and C starting one element past an aligned address; the elements around C stay
+    untouched."""
+    torch.manual_seed(6)
+    M, N, K = 150, 270, 96
+    tdt = getattr(torch, dtype)
+    abuf, bbuf = _tensor((M * K + 1,), dtype), _tensor((K * N + 1,), dtype)
+    a, b = abuf[1:].view(M, K), bbuf[1:].view(K, N)
+    cbuf = torch.full((M * N + 2,), 7.0, dtype=tdt, device="cuda")
+    c = cbuf[1:-1].view(M, N)
+    c.fill_(float("nan"))
+    g = make_gemm(a, b, c, precision=precision)
+    assert mt.load_path(g) == (2 if dtype == "float32" else 0)
+    run(a, b, precision=precision, out=c)
+    check(c, a, b, tf32=precision == "tf32")
+    assert cbuf[0].item() == 7.0 and cbuf[-1].item() == 7.0
+    if dtype != "float32":  # x @ W.T with a misaligned W: the staged wgmma kernel on Hopper
+        bt = bbuf[1:].view(N, K).t()
+        c.fill_(float("nan"))
+        run(a, bt, out=c)
+        check(c, a, bt)
+        assert cbuf[0].item() == 7.0 and cbuf[-1].item() == 7.0
+
+
+@gpu
+def test_gpu_tf32_rounds_the_inputs():
+    """1 + 2^-15 is 1 in tf32 (10 mantissa bits, cvt.rna): the product of a row of them with ones
+    is exactly K, not K (1 + 2^-15) as in fp32."""
+    K = 64
+    a = torch.full((32, K), 1 + 2.0**-15, device="cuda")
+    b = torch.ones(K, 40, device="cuda")
+    c = run(a, b, precision="tf32")
+    assert torch.equal(c, torch.full_like(c, float(K)))
+
+
+@gpu
+def test_gpu_large_values_do_not_overflow_the_accumulator():
+    """bf16 inputs near 2^100: products need fp32's exponent range (fp16 accumulation would fail)."""
+    torch.manual_seed(7)
+    a = _tensor((64, 128), "bfloat16", scale=2.0**50)
+    b = _tensor((128, 72), "bfloat16", scale=2.0**50)
+    check(run(a, b), a, b)
+
+
+@gpu
+def test_gpu_wgmma_route_on_hopper():
+    """On compute capability 9.0, x @ W.T in 16 bits takes the wgmma kernels (both load paths);
+    other layouts and float32 stay on mma.sync."""
+    x, w = _tensor((64, 96), "bfloat16"), _tensor((40, 96), "bfloat16")
+    c = torch.empty(64, 40, dtype=torch.bfloat16, device="cuda")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert mt.uses_wgmma(make_gemm(x, w.t(), c)) == hopper
+    x2, w2 = _tensor((64, 95), "bfloat16"), _tensor((40, 95), "bfloat16")
+    assert mt.uses_wgmma(make_gemm(x2, w2.t(), c)) == hopper
+    assert not mt.uses_wgmma(make_gemm(x, w.t().contiguous(), c))
+    xf, wf = _tensor((64, 96), "float32"), _tensor((40, 96), "float32")
+    cf = torch.empty(64, 40, device="cuda")
+    assert not mt.uses_wgmma(make_gemm(xf, wf.t(), cf, precision="tf32"))
