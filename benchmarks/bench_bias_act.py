@@ -720,15 +720,7 @@ def print_summary(b: Bench, env: dict[str, Any], host_rows: list[dict[str, Any]]
     print("\ntargets (forward, >= 64M elements):")
     for line in target_lines(b.rows):
         print(line)
-    if b.failures:
-        print(f"\n{len(b.failures)} FAILED or skipped cases (rows with an error in the results):")
-        for f in b.failures[:12]:
-            print(f"  - {f[:160]}")
-        if len(b.failures) > 12:
-            print(f"  ... and {len(b.failures) - 12} more")
-    else:
-        print("\nall cases validated and timed")
-    print("results: " + (", ".join(saved) if saved else "not saved"))
+    harness.print_outcome(b.failures, saved)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -703,15 +703,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     print(f"\ntargets{scaled}:")
     for line in target_lines(b.rows, b.cfg):
         print(line)
-    if b.failures:
-        print(f"\n{len(b.failures)} FAILED or skipped cases (rows with an error in the results):")
-        for f in b.failures[:12]:
-            print(f"  - {f[:160]}")
-        if len(b.failures) > 12:
-            print(f"  ... and {len(b.failures) - 12} more")
-    else:
-        print("\nall cases validated and timed")
-    print("results: " + (", ".join(saved) if saved else "not saved"))
+    harness.print_outcome(b.failures, saved)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -770,3 +770,17 @@ def print_table(
 def format_exception(exc: BaseException) -> str:
     """The full traceback of `exc` as text (for logs; tables use :func:`short_error`)."""
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def print_outcome(failures: Sequence[str], saved: Sequence[str]) -> None:
+    """The last lines of a benchmark's summary: its failed or skipped cases (or that every case
+    was validated and timed) and where the results were saved."""
+    if failures:
+        print(f"\n{len(failures)} FAILED or skipped cases (rows with an error in the results):")
+        for f in failures[:12]:
+            print(f"  - {f[:160]}")
+        if len(failures) > 12:
+            print(f"  ... and {len(failures) - 12} more")
+    else:
+        print("\nall cases validated and timed")
+    print("results: " + (", ".join(saved) if saved else "not saved"))

@@ -312,6 +312,27 @@ def mlp_models(
     return nn.Sequential(*stock), nn.Sequential(*fused)
 
 
+def train_variants(
+    variants: Sequence[Variant],
+    data: Any,
+    orders: Any,
+    label: str,
+    *,
+    batch_size: int,
+    warmup_steps: int,
+    log: Callable[[str], None] | None,
+) -> tuple[dict[str, TrainResult], float]:
+    """Train each variant on the same batches; returns the results by name and the largest
+    |loss_torch - loss_cukit| over the steps."""
+    results: dict[str, TrainResult] = {}
+    for v in variants:
+        results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
+        if log:
+            log(f"  {v.name:<6} {label}: {r.ms_per_step:.3f} ms/step, test accuracy {r.test_accuracy:.2%}")
+    diff = max(abs(a - b) for a, b in zip(results["torch"].losses, results["cukit"].losses, strict=True))
+    return results, diff
+
+
 def run_mlp(
     *,
     epochs: int = 15,
@@ -357,17 +378,11 @@ def run_mlp(
         Variant("torch", f"nn.Linear + F.{activation}", stock, optimizer),
         Variant("cukit", "nn.Linear(bias=False) + cukit.nn.BiasAct", fused, optimizer),
     ]
-    orders = epoch_orders(data.x_train.shape[0], epochs, seed)
-    results: dict[str, TrainResult] = {}
-    for v in variants:
-        results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
-        if log:
-            log(
-                f"  {v.name:<6} {arch} MLP, {epochs} epochs: {r.ms_per_step:.3f} ms/step, "
-                f"test accuracy {r.test_accuracy:.2%}"
-            )
+    results, diff = train_variants(
+        variants, data, epoch_orders(data.x_train.shape[0], epochs, seed), f"{arch} MLP, {epochs} epochs",
+        batch_size=batch_size, warmup_steps=warmup_steps, log=log,
+    )
     base = results["torch"]
-    diff = max(abs(a - b) for a, b in zip(base.losses, results["cukit"].losses, strict=True))
     return {
         "device": device_label(dev),
         "torch_device": str(dev),
@@ -567,18 +582,12 @@ def run_cnn(
         Variant("torch", f"nn.Conv2d + F.{activation} + nn.Linear", stock, optimizer),
         Variant("cukit", "unfold + cukit.matmul + cukit.bias_act, cukit.nn.Linear", fused, optimizer),
     ]
-    orders = epoch_orders(data.x_train.shape[0], epochs, seed)
-    results: dict[str, TrainResult] = {}
     with _ieee_float32():
-        for v in variants:
-            results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
-            if log:
-                log(
-                    f"  {v.name:<6} {arch} CNN, {epochs} epochs: {r.ms_per_step:.3f} ms/step, "
-                    f"test accuracy {r.test_accuracy:.2%}"
-                )
+        results, diff = train_variants(
+            variants, data, epoch_orders(data.x_train.shape[0], epochs, seed), f"{arch} CNN, {epochs} epochs",
+            batch_size=batch_size, warmup_steps=warmup_steps, log=log,
+        )
     base = results["torch"]
-    diff = max(abs(a - b) for a, b in zip(base.losses, results["cukit"].losses, strict=True))
     return {
         "device": device_label(dev),
         "torch_device": str(dev),
