@@ -662,6 +662,20 @@ class ExperimentResult:
 Experiment = Callable[[DemoOptions], ExperimentResult]
 
 
+def _rows_and_agreement(experiment: str, r: dict[str, Any], extra: str = "") -> tuple[list[Row], list[str]]:
+    """The table rows of a two-variant run (see :func:`train_variants`) and its loss-agreement note."""
+    rows = [
+        Row(experiment, name, v["description"], v["test_accuracy"], v["final_loss"], v["ms_per_step"], v["speedup"])
+        for name, v in r["variants"].items()
+    ]
+    verdict = "yes" if r["losses_agree"] else "NO"
+    notes = [
+        f"{experiment}: loss curves agree: {verdict} (max |loss_torch - loss_cukit| = "
+        f"{r['loss_max_abs_diff']:.2e} over {r['steps']} steps; tolerance {r['loss_tolerance']:.0e}{extra})"
+    ]
+    return rows, notes
+
+
 def mlp_experiment(opts: DemoOptions) -> ExperimentResult:
     """The digits MLP, stock torch vs ``cukit.nn.BiasAct`` (see :func:`run_mlp`)."""
     r = run_mlp(
@@ -672,17 +686,7 @@ def mlp_experiment(opts: DemoOptions) -> ExperimentResult:
         activation=opts.activation,
         log=opts.log,
     )
-    rows = [
-        Row(
-            "mlp", name, v["description"], v["test_accuracy"], v["final_loss"], v["ms_per_step"], v["speedup"]
-        )
-        for name, v in r["variants"].items()
-    ]
-    verdict = "yes" if r["losses_agree"] else "NO"
-    notes = [
-        f"mlp: loss curves agree: {verdict} (max |loss_torch - loss_cukit| = {r['loss_max_abs_diff']:.2e} "
-        f"over {r['steps']} steps; tolerance {r['loss_tolerance']:.0e})"
-    ]
+    rows, notes = _rows_and_agreement("mlp", r)
     title = (
         f"mlp: {'-'.join(map(str, r['sizes']))} MLP, {r['activation']}, {r['epochs']} epochs x "
         f"{r['steps'] // r['epochs']} steps of {r['batch_size']} ({r['n_train']} train / {r['n_test']} test "
@@ -705,17 +709,7 @@ def cnn_experiment(opts: DemoOptions) -> ExperimentResult:
         activation=opts.activation,
         log=opts.log,
     )
-    rows = [
-        Row(
-            "cnn", name, v["description"], v["test_accuracy"], v["final_loss"], v["ms_per_step"], v["speedup"]
-        )
-        for name, v in r["variants"].items()
-    ]
-    verdict = "yes" if r["losses_agree"] else "NO"
-    notes = [
-        f"cnn: loss curves agree: {verdict} (max |loss_torch - loss_cukit| = {r['loss_max_abs_diff']:.2e} "
-        f"over {r['steps']} steps; tolerance {r['loss_tolerance']:.0e}; float32 without TF32 on both sides)"
-    ]
+    rows, notes = _rows_and_agreement("cnn", r, "; float32 without TF32 on both sides")
     convs = ", ".join(f"conv3x3 {a}->{b}" for a, b in itertools.pairwise([1, *r["channels"]]))
     title = (
         f"cnn: 1x8x8 images, {convs} (pad 1, {r['activation']}), linear {r['channels'][-1] * 64}->10, "

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import cukit
 from cukit.ops import bias_act as ba
-from cukit.testing import arrays, assert_close, shapes, to_numpy
+from cukit.testing import arrays, assert_close, backend_dtypes, shapes, to_numpy
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -19,16 +19,7 @@ F = torch.nn.functional
 ACTS = list(ba.ACTIVATIONS)
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 
-
-def _has_ml_dtypes() -> bool:
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-NUMPY_FLOATS = [d for d in FLOATS if d != "bfloat16" or _has_ml_dtypes()]
+NUMPY_FLOATS = backend_dtypes("numpy", FLOATS)
 
 
 # ------------------------------------------------------------------------------------- oracles
@@ -243,7 +234,7 @@ GPU_BACKENDS = ["cupy", "torch-cuda"]
     data=st.data(),
 )
 def test_gpu_forward_backward_match_oracle(backend, shape, dtype, activation, noncontiguous, data):
-    if backend == "cupy" and dtype == "bfloat16" and not _has_ml_dtypes():
+    if dtype not in backend_dtypes(backend):
         return
     x = data.draw(arrays(backend, dtype, shape, noncontiguous=noncontiguous))
     b = data.draw(arrays(backend, dtype, shape[-1:]))

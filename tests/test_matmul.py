@@ -30,7 +30,7 @@ import cukit
 from cukit.interop import DTYPES
 from cukit.ops import matmul as mm
 from cukit.ops._gemm import Gemm
-from cukit.testing import arrays, assert_close, to_numpy, tolerance
+from cukit.testing import arrays, assert_close, backend_dtypes, to_numpy, tolerance
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -38,16 +38,7 @@ F = torch.nn.functional
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 ACTS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 
-
-def _has_ml_dtypes() -> bool:
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-NUMPY_FLOATS = [d for d in FLOATS if d != "bfloat16" or _has_ml_dtypes()]
+NUMPY_FLOATS = backend_dtypes("numpy", FLOATS)
 
 # unit roundoff of the output rounding, the accumulation epsilon, the smallest normal
 U_OUT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
@@ -719,7 +710,7 @@ def _gpu_matmul(a, b, kernel, precision):
 @given(problem=problems(), backend=st.sampled_from(GPU_BACKENDS), dtype=st.sampled_from(FLOATS),
        precision=st.sampled_from(["ieee", "tf32"]), data=st.data())
 def test_gpu_matmul_matches_oracle(kernel, problem, backend, dtype, precision, data):
-    if backend == "cupy" and dtype == "bfloat16" and not _has_ml_dtypes():
+    if dtype not in backend_dtypes(backend):
         return
     if kernel is None and not _family_installed(_preferred_family(dtype, precision)):
         assume(dtype in ("float32", "float64"))  # 16-bit dtypes need the tensor-core family
@@ -787,7 +778,7 @@ def test_gpu_k_zero_noncontiguous_and_stride_zero_batches(kernel):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("activation", ACTS)
 def test_gpu_linear_matches_functional(backend, dtype, activation):
-    if backend == "cupy" and dtype == "bfloat16" and not _has_ml_dtypes():
+    if dtype not in backend_dtypes(backend):
         pytest.skip("bfloat16 CuPy arrays need ml_dtypes")
     if not _family_installed(_preferred_family(dtype, "ieee")) and dtype in ("float16", "bfloat16"):
         pytest.skip("matmul_tc not installed")

@@ -48,6 +48,7 @@ _STRATEGIES = {
     "ODD_SIDES",
     "BackendUnavailableError",
     "arrays",
+    "backend_dtypes",
     "backends",
     "dtypes",
     "shapes",

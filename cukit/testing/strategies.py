@@ -35,6 +35,7 @@ __all__ = [
     "ODD_SIDES",
     "BackendUnavailableError",
     "arrays",
+    "backend_dtypes",
     "backends",
     "dtypes",
     "shapes",
@@ -137,6 +138,17 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def backend_dtypes(backend: str | None, names: Sequence[str] = FLOAT_DTYPES) -> tuple[str, ...]:
+    """The dtype names of ``names`` that arrays of ``backend`` can hold on this machine: bfloat16
+    NumPy/CuPy arrays need ml_dtypes, torch tensors do not; ``backend=None`` means every backend."""
+    names = tuple(as_dtype(n).name for n in names)  # TypeError for names outside the table
+    if backend is not None:
+        _check_backend_name(backend)
+    if (backend is None or backend in ("numpy", "cupy")) and not _has_module("ml_dtypes"):
+        names = tuple(n for n in names if n != "bfloat16")
+    return names
+
+
 def dtypes(names: Sequence[str] = FLOAT_DTYPES, *, backend: str | None = None) -> st.SearchStrategy[str]:
     """Dtype names (keys of ``cukit.interop.DTYPES``) drawn from ``names``.
 
@@ -145,11 +157,7 @@ def dtypes(names: Sequence[str] = FLOAT_DTYPES, *, backend: str | None = None) -
     backend", so bfloat16 is left out whenever ml_dtypes is missing; pass ``backend="torch"``
     to keep it for torch tensors.
     """
-    names = tuple(as_dtype(n).name for n in names)  # TypeError for names outside the table
-    if backend is not None:
-        _check_backend_name(backend)
-    if (backend is None or backend in ("numpy", "cupy")) and not _has_module("ml_dtypes"):
-        names = tuple(n for n in names if n != "bfloat16")
+    names = backend_dtypes(backend, names)
     if not names:
         raise InvalidArgument(f"no dtype left to draw for backend={backend!r} (bfloat16 needs ml_dtypes)")
     return st.sampled_from(names)
