@@ -22,16 +22,17 @@
 // Load paths (template VEC), chosen on the host:
 //   VEC = 1: every row start is 16-byte aligned (pointer, leading dimension and batch strides):
 //            cp.async 16 B straight into a 3-4 stage ring (stage count = dynamic smem / stage
-//            size); chunks that cross the end of a row copy only their valid bytes (cp.async
-//            src-size) and zero-fill the rest. 16-bit: the copies are issued in 3 parts between
-//            the k-steps and the barrier sits before the last k-step, so the next tile's first
-//            fragments load under its MMAs; fp32 keeps the simpler loop (fewer live registers).
+//            size); chunks that cross the end of a row load only their valid bytes (plain
+//            loads, see copy_chunk) and zero-fill the rest. 16-bit: the copies are issued in 3
+//            parts between the k-steps and the barrier sits before the last k-step, so the next
+//            tile's first fragments load under its MMAs; fp32 keeps the simpler loop (fewer live
+//            registers).
 //   VEC = 2: (fp32) rows 4-byte aligned: the same ring with 4-byte cp.async.
 //   VEC = 0: any alignment (e.g. K = 4093 in bf16). Each row's bytes are fetched as aligned
 //            16-byte chunks (one extra chunk per row) by cp.async into a staging buffer, two
 //            tiles ahead; the tile is then shifted into place in shared memory (two 16-byte
 //            loads, a funnel shift, one 16-byte store per chunk) into a double-buffered compute
-//            tile. Bytes past a row's end are never read (src-size), so they arrive as zeros.
+//            tile. Bytes past a row's end are never read (copy_chunk), so they arrive as zeros.
 // All handle any M, N, K (0 included: C = act(bias)), batches through blockIdx.z and 64-bit
 // batch offsets, and a fused bias + activation epilogue.
 #include <cukit/gemm.cuh>
@@ -87,11 +88,14 @@ template <int R> __device__ __forceinline__ u32 chunk_off(int row, int c) {
 }
 
 // ------------------------------------------------------------------------------------ PTX
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+__device__ __forceinline__ void cp_async16_full(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+__device__ __forceinline__ void cp_async4_full(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void sts32(u32 addr, u32 v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -121,6 +125,29 @@ __device__ __forceinline__ uint4 lds128(u32 addr) {
 __device__ __forceinline__ void sts128(u32 addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+}
+
+// Copy `bytes` (0, or a multiple of 2 up to N) of global memory at src into N bytes of shared
+// memory at dst, zero-filling the rest. Full chunks go by cp.async. A partial or empty chunk (a
+// row's end, a row past the operand) is loaded with plain 2-byte loads and stored zero-padded:
+// cp.async's src-size form would zero-fill as well, but it is issued as a full-width access
+// (compute-sanitizer reports it as an N-byte read past a small allocation's end), so it is not
+// used. Only edge tiles take this path.
+template <int N> __device__ __forceinline__ void copy_chunk(u32 dst, const char* src, int bytes) {
+  static_assert(N == 16 || N == 4, "chunks are 16 or 4 bytes");
+  if (bytes == N) {
+    if constexpr (N == 16) cp_async16_full(dst, src); else cp_async4_full(dst, src);
+    return;
+  }
+  u32 w[N / 4];
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) w[i] = 0u;
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(src);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    if (2 * i < bytes) w[i >> 1] |= static_cast<u32>(h[i]) << (16 * (i & 1));
+  }
+  if constexpr (N == 16) sts128(dst, make_uint4(w[0], w[1], w[2], w[3])); else sts32(dst, w[0]);
 }
 __device__ __forceinline__ u32 to_tf32(u32 x) {
   u32 y;
@@ -205,7 +232,7 @@ __device__ __forceinline__ void load_tile_vec(u32 dst, const Operand& op, int kt
     const bool ok = STEP * it < rows_left && vbytes > 0;
     // STEP is a multiple of 8 (R <= 32 for 16-byte loads): every row has row0's swizzle
     const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16 : dst + chunk_off<G::R>(row0 + STEP * it, c);
-    cp_async16(dd, ok ? src + it * step : op.base, ok ? vbytes : 0);
+    copy_chunk<16>(dd, src + it * step, ok ? vbytes : 0);
   }
 }
 
@@ -236,13 +263,13 @@ __device__ __forceinline__ void load_tile_w4(u32 dst, const Operand& op, int kt,
     // rows row0 + STEP * it share row0's swizzle when STEP is a multiple of 8
     const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16
                                  : dst + chunk_off<G::R>(row0 + STEP * it, c) + 4 * w;
-    cp_async4(dd, ok ? src + it * step : op.base, ok ? vbytes : 0);
+    copy_chunk<4>(dd, src + it * step, ok ? vbytes : 0);
   }
 }
 
 // VEC = 0, step 1: cp.async the aligned 16-byte chunks that hold each row's bytes of k-tile kt
 // (R + 1 chunks per row) into the staging buffer at dst, unswizzled. Chunk j of row o starts at
-// align16(row start) + 16 j; it copies only the bytes before the row's end (src-size), so
+// align16(row start) + 16 j; it copies only the bytes before the row's end (copy_chunk), so
 // elements past I arrive as zeros and nothing past the operand is read. The bytes before the row
 // start in its first chunk lie in the same 16-byte block as a valid element, hence in the same
 // allocation; they are skipped by the shift.
@@ -273,7 +300,7 @@ __device__ __forceinline__ void load_tile_staged(u32 dst, const Operand& op, int
           src = reinterpret_cast<const char*>(p);
         }
       }
-      cp_async16(dst + q * 16, src, bytes);
+      copy_chunk<16>(dst + q * 16, src, bytes);
     }
   }
 }
@@ -777,7 +804,7 @@ __device__ __forceinline__ void load_kmajor(u32 dst, const tc::Operand& op, int 
 #pragma unroll
   for (int it = 0; it < PER; ++it) {
     const bool ok = 32 * it < rows_left && vbytes > 0;
-    tc::cp_async16(d + it * 32 * 128, ok ? src + it * step : op.base, ok ? vbytes : 0);
+    tc::copy_chunk<16>(d + it * 32 * 128, src + it * step, ok ? vbytes : 0);
   }
 }
 
