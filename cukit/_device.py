@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["device_info", "is_available", "sm_count"]
+__all__ = ["DeviceCaps", "device_caps", "device_info", "is_available", "sm_count"]
+
+
+class DeviceCaps(NamedTuple):
+    """What kernel choice and launch configuration read from a device."""
+
+    cc: int  # compute capability as 10 * major + minor (90 for H100/H200)
+    sm_count: int  # multiprocessors
+    smem_optin: int  # bytes of shared memory one block may opt in to
 
 
 @functools.lru_cache(maxsize=1)
@@ -21,11 +29,22 @@ def is_available() -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def sm_count(device: int) -> int:
-    """Number of multiprocessors of a device (read once per device; sizes persistent grids)."""
+def device_caps(device: int) -> DeviceCaps:
+    """Compute capability, SM count and opt-in shared memory of a device, read once per device
+    (``cudaGetDeviceProperties`` costs tens of microseconds; launches read these every call)."""
     import cupy
 
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    return DeviceCaps(
+        cc=10 * int(props["major"]) + int(props["minor"]),
+        sm_count=int(props["multiProcessorCount"]),
+        smem_optin=int(props.get("sharedMemPerBlockOptin", 0)),
+    )
+
+
+def sm_count(device: int) -> int:
+    """Number of multiprocessors of a device (sizes persistent grids)."""
+    return device_caps(device).sm_count
 
 
 def device_info(device: int | None = None) -> dict[str, Any]:

@@ -50,6 +50,9 @@ _KERNEL_OWNERS = ("cukit.ops.bias_act", "cukit.ops.matmul_simt", "cukit.ops.matm
 # compiler adds it too, so both compile the same code.
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
+# Dynamic shared memory a kernel may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+_DEFAULT_SMEM = 48 * 1024
+
 
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel: names the .cu file, the instantiation(s) and carries the log."""
@@ -246,6 +249,7 @@ class KernelModule:
     _group_of: dict[str, str] = field(init=False, repr=False)
     _functions: dict[tuple[str, int], Any] = field(init=False, repr=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _smem_limit: dict[tuple[str, int], int] = field(init=False, repr=False, default_factory=dict)
     compiles: int = field(init=False, default=0)  # how many groups this process compiled
 
     def __post_init__(self) -> None:
@@ -340,11 +344,24 @@ class KernelModule:
 
         fn = self.function(name_expr, device)
         typed = convert_args(name_expr, self._signatures[_template_name(name_expr)], args)
+        if shared_mem > _DEFAULT_SMEM and self._smem_limit.get((name_expr, device), 0) < shared_mem:
+            self._raise_smem_limit(fn, name_expr, device, shared_mem)
         if cupy.cuda.runtime.getDevice() == device:
             fn(grid, block, typed, shared_mem=shared_mem, stream=stream)
         else:  # a kernel runs in its device's context: switch for tensors on another GPU
             with cupy.cuda.Device(device):
                 fn(grid, block, typed, shared_mem=shared_mem, stream=stream)
+
+    def _raise_smem_limit(self, fn: Any, name_expr: str, device: int, nbytes: int) -> None:
+        """Above 48 KiB a kernel must opt in to its dynamic shared memory
+        (cudaFuncAttributeMaxDynamicSharedMemorySize, CuPy's ``max_dynamic_shared_size_bytes``);
+        set once per (kernel, device), raised when a launch needs more than was set."""
+        import cupy
+
+        with self._lock, cupy.cuda.Device(device):
+            if self._smem_limit.get((name_expr, device), 0) < nbytes:
+                fn.max_dynamic_shared_size_bytes = nbytes
+                self._smem_limit[(name_expr, device)] = nbytes
 
     # -- offline path (no GPU) ---------------------------------------------------------------
     def compile_offline(self, arch: str, groups: Iterable[str] | None = None) -> int:
@@ -357,8 +374,13 @@ class KernelModule:
         n = 0
         for group in self.instantiations if groups is None else groups:
             exprs = list(self.instantiations[group])
-            _nvrtc_compile(self.file, prepare_source(self.read_source(), headers_digest()), exprs,
-                           (*self.compile_options(), "-ftz=true"), arch)
+            _nvrtc_compile(
+                self.file,
+                prepare_source(self.read_source(), headers_digest()),
+                exprs,
+                (*self.compile_options(), "-ftz=true"),
+                arch,
+            )
             n += len(exprs)
         return n
 

@@ -29,10 +29,9 @@ this family takes it and :func:`launch` runs it on a stream.
 
 from __future__ import annotations
 
-import functools
-import threading
 from typing import Any
 
+from cukit._device import device_caps
 from cukit._runtime import KernelModule
 from cukit.interop import DTYPES
 from cukit.ops._gemm import GEMM_SIGNATURE, Gemm
@@ -76,11 +75,15 @@ def _instantiations() -> dict[str, list[str]]:
     for dtype, loads in LOADS.items():
         for load in loads:
             for act in ACTS:
-                groups[f"{dtype}/vec{load}/act{act}"] = [kernel_name(dtype, act, a, b, load) for a, b in LAYOUTS]
+                groups[f"{dtype}/vec{load}/act{act}"] = [
+                    kernel_name(dtype, act, a, b, load) for a, b in LAYOUTS
+                ]
     return groups
 
 
-KERNELS = KernelModule("matmul_tc.cu", instantiations=_instantiations(), signatures={"matmul_tc": GEMM_SIGNATURE})
+KERNELS = KernelModule(
+    "matmul_tc.cu", instantiations=_instantiations(), signatures={"matmul_tc": GEMM_SIGNATURE}
+)
 
 
 def wgmma_name(dtype: str, act: int, load: int) -> str:
@@ -117,8 +120,15 @@ def operand_layouts(g: Gemm) -> tuple[bool, bool]:
     return a_k, b_k
 
 
-def _aligned(ptr: int, rows: int, ld: int, batch: tuple[int, int, int], strides: tuple[int, int, int],
-             itemsize: int, align: int) -> bool:
+def _aligned(
+    ptr: int,
+    rows: int,
+    ld: int,
+    batch: tuple[int, int, int],
+    strides: tuple[int, int, int],
+    itemsize: int,
+    align: int,
+) -> bool:
     if ptr % align:
         return False
     if rows > 1 and (ld * itemsize) % align:
@@ -189,13 +199,10 @@ def uses_wgmma(g: Gemm, load: int | None = None) -> bool:
     return cc == 90 and wgmma_smem_bytes(load) <= optin
 
 
-@functools.lru_cache(maxsize=64)
 def _device_caps(device: int) -> tuple[int, int]:
     """(compute capability as 10 * major + minor, opt-in shared memory per block)."""
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(device)
-    return 10 * int(props["major"]) + int(props["minor"]), int(props.get("sharedMemPerBlockOptin", 0))
+    caps = device_caps(device)
+    return caps.cc, caps.smem_optin
 
 
 def supports(g: Gemm) -> bool:
@@ -224,24 +231,6 @@ def supports(g: Gemm) -> bool:
 # Launch
 # ---------------------------------------------------------------------------------------------
 
-_SMEM_LIMIT: dict[tuple[str, int], int] = {}
-_ATTR_LOCK = threading.Lock()
-
-
-def _raise_smem_limit(module: KernelModule, name: str, device: int, nbytes: int) -> None:
-    """Let the kernel use `nbytes` of dynamic shared memory (above the default 48 KiB): CuPy's
-    ``RawKernel.max_dynamic_shared_size_bytes`` (cudaFuncAttributeMaxDynamicSharedMemorySize),
-    set per (kernel, device) when a launch needs more than was set before."""
-    if _SMEM_LIMIT.get((name, device), 0) >= nbytes:
-        return
-    import cupy
-
-    with _ATTR_LOCK:
-        fn = module.function(name, device)
-        with cupy.cuda.Device(device):
-            fn.max_dynamic_shared_size_bytes = nbytes
-        _SMEM_LIMIT[(name, device)] = nbytes
-
 
 def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None) -> None:
     """Run one problem on `stream` (an object with ``.ptr``). version None or "tc": the wgmma
@@ -262,7 +251,9 @@ def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None
     if load is None:
         load = natural
     elif load not in LOADS[g.dtype.name] or (load == 1 and natural != 1):
-        raise ValueError(f"matmul_tc: load path {load} cannot run this {g.dtype} problem (natural: {natural})")
+        raise ValueError(
+            f"matmul_tc: load path {load} cannot run this {g.dtype} problem (natural: {natural})"
+        )
     tiles = -(-g.M // BM) * -(-g.N // BN)
     grid = (tiles, 1, min(batch, _MAX_GRID_Z))
     if version != "mma" and uses_wgmma(g, load):
@@ -274,5 +265,4 @@ def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None
             raise ValueError(f"matmul_tc: load path {load} needs more shared memory than the device has")
         a_k, b_k = operand_layouts(g)
         module, name = KERNELS, kernel_name(g.dtype.name, g.act, a_k, b_k, load)
-    _raise_smem_limit(module, name, g.device, smem)
     module.launch(name, grid, (THREADS,), g.kernel_args(), device=g.device, stream=stream, shared_mem=smem)
