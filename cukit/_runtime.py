@@ -209,6 +209,11 @@ def convert_args(kernel: str, signature: Sequence[str], args: Sequence[Any]) -> 
         if kind == "ptr":
             out.append(_pointer(v, kernel, i))
             continue
+        if kind == "b128":  # a 128-byte struct by value (a CUtensorMap): one 128-byte NumPy element
+            if not (isinstance(v, np.ndarray) and v.size == 1 and v.dtype.itemsize == 128):
+                raise TypeError(f"{kernel}: argument {i} is a 128-byte struct (a NumPy array of one 128-byte element)")
+            out.append(v)
+            continue
         typ = _SCALAR_TYPES[kind]
         if isinstance(v, np.generic) and type(v) is typ:
             out.append(v)
@@ -255,7 +260,7 @@ class KernelModule:
     def __post_init__(self) -> None:
         self._signatures = {k: tuple(v.split()) for k, v in self.signatures.items()}
         for kinds in self._signatures.values():
-            bad = [k for k in kinds if k != "ptr" and k not in _SCALAR_TYPES]
+            bad = [k for k in kinds if k not in ("ptr", "b128") and k not in _SCALAR_TYPES]
             if bad:
                 raise ValueError(f"{self.file}: unknown argument kinds {bad}")
         self._group_of = {}

@@ -817,26 +817,26 @@ __device__ __forceinline__ u64 desc128(u32 addr) {
 
 template <typename T> struct Wgmma;
 template <> struct Wgmma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
+  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("{\n"
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, %130, %131;\n"
                  "}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(da), "l"(db));
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
 #endif
   }
 };
 template <> struct Wgmma<__half> {
-  static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
+  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("{\n"
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, %130, %131;\n"
                  "}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(da), "l"(db));
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
 #endif
   }
 };
@@ -862,6 +862,41 @@ __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
+}
+
+
+// Epilogue of a warpgroup's 64 x 256 accumulators (rows r0.., columns n0..) into C (row-major,
+// N columns) after bias + activation in fp32. Warp w of the warpgroup holds rows 16 (w % 4) + g
+// and + 8; d[4 i + r]: columns 8 i + 2 t (+1), rows g (r < 2) and g + 8 (r >= 2).
+template <typename T, int ACT>
+__device__ __forceinline__ void store_tile(const float (&d)[128], T* Cz, const T* bias, long long M, long long N,
+                                           long long r0, long long n0, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool pair = (N % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const long long row = r0 + (warp & 3) * 16 + g + 8 * h;
+    if (row >= M) continue;
+    T* crow = Cz + row * N;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const long long col = n0 + 8 * i + 2 * t;
+      if (col >= N) continue;
+      const float b0 = bias != nullptr ? to_acc<float>(bias[col]) : 0.0f;
+      const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
+      const T v0 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h], b0));
+      const T v1 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h + 1], b1));
+      if (pair) {
+        Vec<T, 2> v;
+        v.v[0] = v0;
+        v.v[1] = v1;
+        *reinterpret_cast<Vec<T, 2>*>(crow + col) = v;
+      } else {
+        crow[col] = v0;
+        if (col + 1 < N) crow[col + 1] = v1;
+      }
+    }
+  }
 }
 
 }  // namespace tcw
@@ -920,7 +955,7 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
         const u32 sa = smem + (kt % S) * STAGE + wg * 64 * 128, sb = smem + (kt % S) * STAGE + A_TILE;
         tcw::wg_fence();
   #pragma unroll
-        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::run(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
+        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::template run<0, 0>(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
         tcw::wg_commit();
         tcw::wg_wait<1>(d);
       }
@@ -962,7 +997,7 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
         const u32 sa = smem + cur * STAGE + wg * 64 * 128, sb = smem + cur * STAGE + A_TILE;
         tcw::wg_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::run(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
+        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::template run<0, 0>(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
         tcw::wg_commit();
         if (kt + 1 < KT) {
           const u32 dst = smem + nxt * STAGE, src = stg + nxt * STG;
@@ -975,35 +1010,198 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
     tcw::wg_wait<0>(d);
     cp_async_wait<0>();
 
-    // Epilogue. Warp w of the warpgroup holds rows 16 (w % 4) + g and + 8 of its 64; d[4 i + r]:
-    // columns 8 i + 2 t (+1), rows g (r < 2) and g + 8 (r >= 2).
-    T* Cz = C + off.c;
-    const int g = lane >> 2, t = lane & 3;
-    const bool pair = (N % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
+    tcw::store_tile<T, ACT>(d, C + off.c, bias, M, N, m0 + wg * 64, n0, warp, lane);
+    __syncthreads();
+  }
+}
+
+// ============================================================================================
+// sm_90a: TMA + warp-specialised wgmma, 16-bit, any operand layout, 16-byte aligned rows.
+//
+// 288 threads: warpgroups 0 and 1 consume (each 64 x 256 of the 128 x 256 tile, wgmma
+// m64n256k16 straight from shared memory), warp 8 produces: one thread issues the bulk tensor
+// copies (cp.async.bulk.tensor, the TMA engine) of every k-tile into a 4-stage ring. Stage s has
+// a "full" mbarrier (the producer's arrive.expect_tx; the copy engine completes the bytes) and an
+// "empty" one (each consumer warp arrives once the wgmmas that read the stage have completed),
+// so loads never wait on a CTA-wide barrier and run up to 4 k-tiles ahead of the MMAs, across
+// tile boundaries. Persistent: CTA b takes tiles b, b + gridDim.x, ... (grouped raster), so the
+// producer fills the next tile's stages while the consumers run the epilogue.
+//
+// The tensor maps (cukit/ops/matmul_tc.py encodes them with cuTensorMapEncodeTiled) are 3-D:
+// (contiguous dim, other dim, batch), 128-byte swizzle, out-of-bounds boxes zero-filled (any M,
+// N, K: the edges need no predication). Box per operand and k-tile of 64 elements of K:
+//   K-major A (row-major):     {64 k, 128 m}        -> 128 rows of 128 bytes
+//   M-major A (A^T row-major): 2 x {64 m, 64 k}     -> 2 blocks of 64 k-rows x 128 bytes
+//   K-major B (B^T row-major, nn.Linear's weight): {64 k, 256 n}
+//   N-major B (row-major):     4 x {64 n, 64 k}
+// wgmma reads K-major tiles with the descriptor of desc128 (k16 step j: +32 bytes) and MN-major
+// ones with the transpose bit, leading byte offset 8 KiB (next 64 elements of M/N) and stride
+// byte offset 1 KiB (next 8 k-rows); k16 step j: +2 KiB.
+// ============================================================================================
+namespace tma {
+using tc::u32;
+using tc::u64;
+
+struct __align__(64) Map {  // a CUtensorMap, opaque, passed by value (__grid_constant__)
+  u64 v[16];
+};
+
+constexpr int S = 4;                    // ring stages
+constexpr int THREADS = 288;            // 2 consumer warpgroups + 1 producer warp
+constexpr int CONSUMER_WARPS = 8;       // each arrives on "empty" once per stage
+constexpr int A_BYTES = tc::A_TILE;     // 16 KiB
+constexpr int B_BYTES = tc::B_TILE;     // 32 KiB
+constexpr int STAGE = A_BYTES + B_BYTES;
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` has completed (a fresh barrier: parity 1 is done).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load(u32 dst, const Map& map, int c0, int c1, int c2, u32 bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+#endif
+}
+
+// MN-major operand in 64-element blocks of 8 KiB: transpose bit set in the instruction.
+__device__ __forceinline__ u64 desc_mn(u32 addr) {
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(8192 >> 4) << 16) |
+         (static_cast<u64>(1024 >> 4) << 32) | (static_cast<u64>(1) << 62);
+}
+template <bool KMAJ> __device__ __forceinline__ u64 desc(u32 base, int j) {
+  return KMAJ ? tcw::desc128(base + 32 * j) : desc_mn(base + 2048 * j);
+}
+
+// Tile t of the flattened (batch, tile) index: grouped raster within a batch.
+__device__ __forceinline__ void tile_coords(long long t, int tiles_m, int tiles_n, int& z, int& tm, int& tn) {
+  const long long tiles = static_cast<long long>(tiles_m) * tiles_n;
+  z = static_cast<int>(t / tiles);
+  const int r = static_cast<int>(t - static_cast<long long>(z) * tiles);
+  const int group = tc::GROUP_M * tiles_n;
+  const int first_m = (r / group) * tc::GROUP_M;
+  const int gsz = min(tiles_m - first_m, tc::GROUP_M);
+  tm = first_m + (r % group) % gsz;
+  tn = (r % group) / gsz;
+}
+
+}  // namespace tma
+
+// A K-major: A[z] is row-major (M x K); else A[z]^T is (K x M row-major). B K-major: B[z]^T is
+// row-major (N x K); else B[z] is row-major (K x N). C[z] = act(A[z] B[z] + bias), contiguous.
+// Launch: 288 threads, grid <= number of SMs, dynamic shared memory 4 * 48 KiB + 1 KiB.
+template <typename T, int ACT, int A_K, int B_K>
+__global__ void __launch_bounds__(tma::THREADS, 1)
+    matmul_tc_tma(const __grid_constant__ tma::Map map_a, const __grid_constant__ tma::Map map_b,
+                  T* __restrict__ C, const T* __restrict__ bias, long long M, long long N, long long K,
+                  long long batch) {
+  using namespace tma;
+  constexpr int BKE = tc::KB / static_cast<int>(sizeof(T));  // 64 elements of K per k-tile
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 smem = (static_cast<u32>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const u32 full = smem + S * STAGE, empty = full + 8 * S;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tiles_m = static_cast<int>((M + tc::BM - 1) / tc::BM);
+  const int tiles_n = static_cast<int>((N + tc::BN - 1) / tc::BN);
+  const long long total = static_cast<long long>(tiles_m) * tiles_n * batch;
+  const int KT = static_cast<int>((K + BKE - 1) / BKE);
+
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CONSUMER_WARPS) {  // producer warp: one thread issues every copy
+    if (lane == 0) {
+      int s = 0;
+      u32 phase = 0;
+      for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+        int z, tm, tn;
+        tile_coords(t, tiles_m, tiles_n, z, tm, tn);
+        const int m0 = tm * tc::BM, n0 = tn * tc::BN;
+        for (int kt = 0; kt < KT; ++kt) {
+          mbar_wait(empty + 8 * s, phase ^ 1);
+          const u32 bar = full + 8 * s, sa = smem + s * STAGE, sb = sa + A_BYTES;
+          mbar_expect_tx(bar, STAGE);
+          const int k0 = kt * BKE;
+          if constexpr (A_K) {
+            tma_load(sa, map_a, k0, m0, z, bar);
+          } else {
+            tma_load(sa, map_a, m0, k0, z, bar);
+            tma_load(sa + 8192, map_a, m0 + 64, k0, z, bar);
+          }
+          if constexpr (B_K) {
+            tma_load(sb, map_b, k0, n0, z, bar);
+          } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const long long row = m0 + wg * 64 + (warp & 3) * 16 + g + 8 * h;
-      if (row >= M) continue;
-      T* crow = Cz + row * N;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const long long col = n0 + 8 * i + 2 * t;
-        if (col >= N) continue;
-        const float b0 = bias != nullptr ? to_acc<float>(bias[col]) : 0.0f;
-        const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
-        const T v0 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h], b0));
-        const T v1 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h + 1], b1));
-        if (pair) {
-          Vec<T, 2> v;
-          v.v[0] = v0;
-          v.v[1] = v1;
-          *reinterpret_cast<Vec<T, 2>*>(crow + col) = v;
-        } else {
-          crow[col] = v0;
-          if (col + 1 < N) crow[col + 1] = v1;
+            for (int j = 0; j < 4; ++j) tma_load(sb + 8192 * j, map_b, n0 + 64 * j, k0, z, bar);
+          }
+          if (++s == S) {
+            s = 0;
+            phase ^= 1;
+          }
         }
       }
     }
-    __syncthreads();
+    return;
+  }
+
+  // Consumers: warpgroup wg computes rows 64 wg .. 64 wg + 63 of each tile.
+  const int wg = warp >> 2;
+  int s = 0;
+  u32 phase = 0;
+  for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+    int z, tm, tn;
+    tile_coords(t, tiles_m, tiles_n, z, tm, tn);
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    int prev = -1;
+    for (int kt = 0; kt < KT; ++kt) {
+      mbar_wait(full + 8 * s, phase);
+      const u32 sa = smem + s * STAGE + wg * 8192, sb = smem + s * STAGE + A_BYTES;
+      tcw::wg_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        tcw::Wgmma<T>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+      tcw::wg_commit();
+      tcw::wg_wait<1>(d);  // the previous k-tile's wgmmas are done: its stage may be refilled
+      if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
+      prev = s;
+      if (++s == S) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+    tcw::wg_wait<0>(d);
+    if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
+    tcw::store_tile<T, ACT>(d, C + static_cast<long long>(z) * M * N, bias, M, N,
+                            static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * tc::BN, warp,
+                            lane);
   }
 }

@@ -57,6 +57,35 @@ def test_instantiations_cover_every_launch():
             for act in mt.ACTS:
                 assert mt.wgmma_name(dtype, act, load) in wgmma
     assert mt.wgmma_smem_bytes(0) <= 227 * 1024 and mt.wgmma_smem_bytes(1) <= 227 * 1024
+    for dtype in ("bfloat16", "float16"):
+        for a_k, b_k in LAYOUTS:
+            for act in mt.ACTS:
+                assert mt.tma_name(dtype, act, a_k, b_k) in wgmma
+    assert mt.TMA_SMEM <= 227 * 1024
+
+
+def test_tma_batch_collapses_dimensions_or_declines():
+    assert mt.tma_batch(_g()) == (1, 0, 0)
+    # (2, 3) batches of contiguous (M, K) and (K, N) operands: one dimension of 6
+    mk, kn = 256 * 128, 128 * 512
+    assert mt.tma_batch(_g(batch=(1, 2, 3), sa_batch=(0, 3 * mk, mk), sb_batch=(0, 3 * kn, kn))) == (6, mk, kn)
+    # a broadcast operand (stride 0) has no tensor-map stride
+    assert mt.tma_batch(_g(batch=(1, 1, 4), sa_batch=(0, 0, mk), sb_batch=(0, 0, 0))) is None
+    # permuted batch dimensions do not collapse
+    assert mt.tma_batch(_g(batch=(1, 2, 3), sa_batch=(0, mk, 2 * mk), sb_batch=(0, 3 * kn, kn))) is None
+
+
+def test_route_without_a_gpu_is_mma_and_bad_versions_raise():
+    g = _g()
+    assert not mt.uses_tma(g)  # no device (or not compute capability 9.0) here
+    assert not mt.uses_tma(_g(K=0))
+    assert not mt.uses_tma(_g(a=2))  # misaligned rows: the copy engine needs 16-byte alignment
+    if not mt.uses_wgmma(g):
+        assert mt.route(g) == "mma"
+        with pytest.raises(ValueError, match="TMA kernel cannot run"):
+            mt.route(g, version="tma")
+    with pytest.raises(ValueError, match="unknown version"):
+        mt.route(g, version="cublas")
 
 
 def test_operand_layouts_follow_the_unit_stride():
@@ -133,8 +162,8 @@ def make_gemm(a, b, c, bias=None, act=-1, precision="ieee") -> Gemm:
 
 
 def run(a, b, bias=None, act=-1, precision="ieee", load=None, out=None, version=None):
-    """Launch on torch's current stream into a NaN-poisoned c; returns c. version "mma" keeps
-    K-major x K-major problems off the wgmma kernels (on Hopper they take them by default)."""
+    """Launch on torch's current stream into a NaN-poisoned c; returns c. version: None (the
+    default route: TMA on Hopper for aligned 16-bit problems), "tma", "wgmma" or "mma"."""
     from cukit.interop import current_stream
 
     M, N = a.shape[-2], b.shape[-1]
@@ -177,6 +206,20 @@ def check(c, a, b, bias=None, act=-1, tf32=False):
 
 
 gpu = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def versions_for(dtype, layout):
+    """Every kernel that can run a problem of this dtype and layout: the default route (TMA on
+    Hopper when aligned) and mma.sync; the cp.async wgmma kernel for x @ W.T on Hopper."""
+    if dtype == "float32":
+        return (None,)
+    return (None, "mma", "wgmma") if _hopper() and layout == (True, False) else (None, "mma")
+
+
 DTYPE_PARAMS = [("bfloat16", "ieee"), ("float16", "ieee"), ("float32", "tf32")]
 SHAPES = [(1, 1, 1), (5, 3, 2), (7, 13, 5), (129, 257, 67), (64, 100, 200), (200, 40, 33), (256, 512, 256)]
 
@@ -190,8 +233,7 @@ def test_gpu_odd_shapes_every_layout(dtype, precision, layout):
     x @ W.T both kernel families."""
     torch.manual_seed(0)
     slow = {"bfloat16": 0, "float16": 0, "float32": 2}[dtype]
-    # x @ W.T (A and B K-major) runs on the wgmma kernels on Hopper: test mma.sync there too
-    versions = (None, "mma") if layout == (True, False) and dtype != "float32" else (None,)
+    versions = versions_for(dtype, layout)
     for M, N, K in SHAPES:
         a = _tensor((M, K), dtype, row_major=layout[0])
         b = _tensor((K, N), dtype, row_major=layout[1])
@@ -210,7 +252,7 @@ def test_gpu_prime_4097x4095x4093(layout):
     g = make_gemm(a, b, torch.empty(4097, 4095, dtype=torch.bfloat16, device="cuda"))
     assert mt.load_path(g) == 0
     rows = torch.cat([torch.tensor([0, 4096]), torch.randperm(4097)[:62]]).cuda()
-    for version in (None, "mma") if layout == (True, False) else (None,):
+    for version in versions_for("bfloat16", layout):
         c = run(a, b, version=version)
         assert not torch.isnan(c).any()
         check(c[rows], a[rows], b)
@@ -262,8 +304,12 @@ def test_gpu_epilogue_bias_and_activation(act):
     x = _tensor((300, 96), "bfloat16")
     w = _tensor((260, 96), "bfloat16")  # (out, in)
     bias = _tensor((260,), "bfloat16")
-    for version in (None, "mma"):
+    for version in versions_for("bfloat16", (True, False)):
         check(run(x, w.t(), bias, act, version=version), x, w.t(), bias, act)
+    for version in versions_for("float16", (True, True)):  # a @ b: TMA with N-major B on Hopper
+        w16 = _tensor((96, 260), "float16")
+        x16 = x.to(torch.float16)
+        check(run(x16, w16, bias.to(torch.float16), act, version=version), x16, w16, bias.to(torch.float16), act)
     if act == ACTIVATIONS["gelu"]:
         x2, w2 = _tensor((131, 77), "bfloat16"), _tensor((259, 77), "bfloat16")
         bias2 = _tensor((259,), "bfloat16")
@@ -318,16 +364,59 @@ def test_gpu_large_values_do_not_overflow_the_accumulator():
 
 
 @gpu
-def test_gpu_wgmma_route_on_hopper():
-    """On compute capability 9.0, x @ W.T in 16 bits takes the wgmma kernels (both load paths);
-    other layouts and float32 stay on mma.sync."""
+def test_gpu_route_on_hopper():
+    """On compute capability 9.0, aligned 16-bit problems of every layout take the TMA kernels,
+    misaligned x @ W.T the cp.async wgmma kernel, other misaligned layouts, broadcast batches and
+    float32 mma.sync. Elsewhere everything runs on mma.sync."""
+    hopper = _hopper()
     x, w = _tensor((64, 96), "bfloat16"), _tensor((40, 96), "bfloat16")
     c = torch.empty(64, 40, dtype=torch.bfloat16, device="cuda")
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert mt.uses_wgmma(make_gemm(x, w.t(), c)) == hopper
+    assert mt.route(make_gemm(x, w.t(), c)) == ("tma" if hopper else "mma")
+    assert mt.route(make_gemm(x, w.t().contiguous(), c)) == ("tma" if hopper else "mma")
+    assert mt.route(make_gemm(x.t().contiguous().t(), w.t(), c)) == ("tma" if hopper else "mma")
     x2, w2 = _tensor((64, 95), "bfloat16"), _tensor((40, 95), "bfloat16")
-    assert mt.uses_wgmma(make_gemm(x2, w2.t(), c)) == hopper
-    assert not mt.uses_wgmma(make_gemm(x, w.t().contiguous(), c))
+    assert mt.route(make_gemm(x2, w2.t(), c)) == ("wgmma" if hopper else "mma")
+    assert mt.route(make_gemm(x2, w2.t().contiguous(), c)) == "mma"
+    xb = _tensor((1, 64, 96), "bfloat16").expand(3, 64, 96)
+    cb = torch.empty(3, 64, 40, dtype=torch.bfloat16, device="cuda")
+    assert mt.route(make_gemm(xb, w.t(), cb)) == ("wgmma" if hopper else "mma")  # broadcast A: no TMA
     xf, wf = _tensor((64, 96), "float32"), _tensor((40, 96), "float32")
     cf = torch.empty(64, 40, device="cuda")
-    assert not mt.uses_wgmma(make_gemm(xf, wf.t(), cf, precision="tf32"))
+    assert mt.route(make_gemm(xf, wf.t(), cf, precision="tf32")) == "mma"
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("K", [72, 200, 256, 1000])
+def test_gpu_tma_persistent_tiles_and_ring_phases(layout, K):
+    """More tiles than SMs (each CTA runs several, its ring's phases carried across tiles), K of
+    2 to 16 k-tiles with a ragged last one (zero-filled by the copy engine), every layout;
+    sampled rows and columns against float64, every element written."""
+    if not _hopper():
+        pytest.skip("the TMA kernels run on compute capability 9.0")
+    torch.manual_seed(8)
+    M, N = 2 * 1024 + 72, 4096 + 200  # ragged last tiles; multiples of 8 so that M-/N-major rows align
+    a = _tensor((M, K), "bfloat16", row_major=layout[0])
+    b = _tensor((K, N), "bfloat16", row_major=layout[1])
+    assert mt.route(make_gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16, device="cuda"))) == "tma"
+    c = run(a, b)
+    assert not torch.isnan(c).any()
+    rows = torch.cat([torch.tensor([0, M - 1]), torch.randperm(M)[:30]]).cuda()
+    check(c[rows], a[rows], b)
+    cols = torch.cat([torch.tensor([0, N - 1]), torch.randperm(N)[:30]]).cuda()
+    check(c[:, cols], a, b[:, cols])
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_gpu_tma_batched(layout):
+    """Batches as the tensor map's third dimension: 3 batches, and (2, 3) batches that collapse
+    into one dimension of 6; M and N not multiples of the tile."""
+    torch.manual_seed(9)
+    for batch in ((3,), (2, 3)):
+        a = _tensor((*batch, 136, 64), "float16", row_major=layout[0])
+        b = _tensor((*batch, 64, 264), "float16", row_major=layout[1])
+        c = torch.empty(*batch, 136, 264, dtype=torch.float16, device="cuda")
+        if _hopper():
+            assert mt.route(make_gemm(a, b, c)) == "tma"
+        check(run(a, b), a, b)

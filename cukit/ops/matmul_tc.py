@@ -12,9 +12,12 @@ Two kernel families in the one file:
 
 - ``matmul_tc`` (``mma.sync`` + ``ldmatrix``, sm_80+): every dtype and layout. 8 warps of 64 x 64;
   K-major tiles feed ``ldmatrix``, M/N-major ones ``ldmatrix.trans`` (fp32: 32-bit loads).
-- ``matmul_tc_wgmma`` (Hopper's warpgroup MMA, compiled for sm_90a, used on compute capability 9.0
-  only, :func:`uses_wgmma`): bfloat16/float16 with A and B both K-major, i.e. ``x @ W.T`` as in
-  ``nn.Linear``. 2 warpgroups of 64 x 256 reading both operands from shared memory.
+- ``matmul_tc_tma`` (Hopper, sm_90a, compute capability 9.0 only, :func:`uses_tma`): bfloat16 /
+  float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a 4-stage
+  ring with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
+  ``cuTensorMapEncodeTiled``), 2 consumer warpgroups of 64 x 256 run wgmma; persistent grid.
+- ``matmul_tc_wgmma`` (Hopper, sm_90a): bfloat16/float16 with A and B both K-major, loaded by
+  ``cp.async``; it runs the misaligned case (load path 0) of ``x @ W.T``, which TMA cannot take.
 
 Load paths (template ``VEC``), picked per problem by :func:`load_path`:
 
@@ -29,7 +32,11 @@ this family takes it and :func:`launch` runs it on a stream.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
+
+import numpy as np
 
 from cukit._device import device_caps
 from cukit._runtime import KernelModule
@@ -44,8 +51,11 @@ __all__ = [
     "launch",
     "load_path",
     "operand_layouts",
+    "route",
     "smem_bytes",
     "supports",
+    "tma_name",
+    "uses_tma",
     "uses_wgmma",
     "wgmma_name",
 ]
@@ -91,17 +101,34 @@ def wgmma_name(dtype: str, act: int, load: int) -> str:
     return f"matmul_tc_wgmma<{DTYPES[dtype].ctype}, {act}, {load}>"
 
 
-# The wgmma kernels (sm_90a only: Hopper's warpgroup MMA) for A and B both K-major, bfloat16 and
-# float16, both load paths: one group per (dtype, activation). `cukit check-kernels --arch sm_90`
-# compiles it for sm_90a.
+def tma_name(dtype: str, act: int, a_k: bool, b_k: bool) -> str:
+    """The NVRTC name expression of one TMA + wgmma instantiation."""
+    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}>"
+
+
+# map_a, map_b (CUtensorMap by value), C, bias, M, N, K, batch
+TMA_SIGNATURE = "b128 b128 ptr ptr i64 i64 i64 i64"
+TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
+TMA_SMEM = 4 * STAGE + 1024 + 64  # 4 stages, 1 KiB to align them, 8 mbarriers
+
+# The sm_90a kernels (Hopper's warpgroup MMA): per (dtype, activation) one group of the cp.async
+# wgmma kernels (K-major A and B, both load paths) and one of the TMA kernels (4 layouts).
+# `cukit check-kernels --arch sm_90` compiles them for sm_90a.
 KERNELS_SM90A = KernelModule(
     "matmul_tc.cu",
     instantiations={
-        f"{dtype}/wgmma/act{act}": [wgmma_name(dtype, act, load) for load in (1, 0)]
-        for dtype in ("bfloat16", "float16")
-        for act in ACTS
+        **{
+            f"{dtype}/wgmma/act{act}": [wgmma_name(dtype, act, load) for load in (1, 0)]
+            for dtype in ("bfloat16", "float16")
+            for act in ACTS
+        },
+        **{
+            f"{dtype}/tma/act{act}": [tma_name(dtype, act, a, b) for a, b in LAYOUTS]
+            for dtype in ("bfloat16", "float16")
+            for act in ACTS
+        },
     },
-    signatures={"matmul_tc_wgmma": GEMM_SIGNATURE},
+    signatures={"matmul_tc_wgmma": GEMM_SIGNATURE, "matmul_tc_tma": TMA_SIGNATURE},
     arch="sm_90a",
 )
 
@@ -184,9 +211,8 @@ def wgmma_smem_bytes(load: int) -> int:
 
 
 def uses_wgmma(g: Gemm, load: int | None = None) -> bool:
-    """Whether :func:`launch` runs ``g`` on the wgmma kernels: a compute capability 9.0 device
-    (sm_90a code runs there only), bfloat16/float16, A and B both K-major (x @ W.T), load path 0
-    or 1."""
+    """Whether the cp.async wgmma kernels can run ``g``: a compute capability 9.0 device (sm_90a
+    code runs there only), bfloat16/float16, A and B both K-major (x @ W.T), load path 0 or 1."""
     if g.dtype.name not in ("bfloat16", "float16") or operand_layouts(g) != (True, True):
         return False
     load = load_path(g) if load is None else load
@@ -197,6 +223,166 @@ def uses_wgmma(g: Gemm, load: int | None = None) -> bool:
     except Exception:
         return False
     return cc == 90 and wgmma_smem_bytes(load) <= optin
+
+
+_TMA_MAX_DIM = 2**31 - 1  # TMA coordinates are signed 32-bit
+_TMA_MAX_STRIDE = 2**40  # bytes
+
+
+def tma_batch(g: Gemm) -> tuple[int, int, int] | None:
+    """The batch as one tensor-map dimension: (count, A's stride, B's stride) in elements, when the
+    batch dimensions collapse into one and neither operand is broadcast (TMA strides are positive);
+    else None."""
+    dims = [(n, sa, sb) for n, sa, sb in zip(g.batch, g.sa_batch, g.sb_batch, strict=True) if n > 1]
+    if not dims:
+        return 1, 0, 0
+    n, sa, sb = dims[-1]
+    for n_out, sa_out, sb_out in reversed(dims[:-1]):
+        if sa_out != sa * n or sb_out != sb * n:
+            return None
+        n *= n_out
+    return (n, sa, sb) if sa > 0 and sb > 0 else None
+
+
+def uses_tma(g: Gemm, load: int | None = None) -> bool:
+    """Whether :func:`launch` runs ``g`` on the TMA + wgmma kernels (by default): compute
+    capability 9.0, bfloat16/float16, every row start 16-byte aligned (load path 1: the copy engine
+    needs 16-byte aligned addresses and strides), K > 0, the batch as one dimension
+    (:func:`tma_batch`) and sizes within the tensor map's ranges."""
+    if g.dtype.name not in ("bfloat16", "float16") or g.K <= 0:
+        return False
+    if (load_path(g) if load is None else load) != 1 or load_path(g) != 1:
+        return False
+    b = tma_batch(g)
+    if b is None or max(g.M, g.N, g.K, b[0]) > _TMA_MAX_DIM:
+        return False
+    sz = g.dtype.itemsize
+    if max(abs(g.sa_m), abs(g.sa_k), abs(g.sb_k), abs(g.sb_n), b[1], b[2]) * sz >= _TMA_MAX_STRIDE:
+        return False
+    try:
+        cc, optin = _device_caps(g.device)
+    except Exception:
+        return False
+    return cc == 90 and optin >= TMA_SMEM
+
+
+def route(g: Gemm, load: int | None = None, version: str | None = None) -> str:
+    """Which kernel :func:`launch` runs: "tma", "wgmma" or "mma". version None/"tc": TMA where
+    :func:`uses_tma`, else the cp.async wgmma kernel where :func:`uses_wgmma`, else mma.sync;
+    "tma", "wgmma", "mma" ask for one (ValueError when it cannot run the problem)."""
+    if version in (None, "tc"):
+        if uses_tma(g, load):
+            return "tma"
+        return "wgmma" if uses_wgmma(g, load) else "mma"
+    if version == "tma" and not uses_tma(g, load):
+        raise ValueError("matmul_tc: the TMA kernel cannot run this problem (see uses_tma)")
+    if version == "wgmma" and not uses_wgmma(g, load):
+        raise ValueError("matmul_tc: the wgmma kernel cannot run this problem (see uses_wgmma)")
+    if version not in ("tma", "wgmma", "mma"):
+        raise ValueError(f"matmul_tc: unknown version {version!r} (None, 'tc', 'tma', 'wgmma' or 'mma')")
+    return version
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor maps (CUtensorMap) for the TMA kernels
+# ---------------------------------------------------------------------------------------------
+
+# CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
+_CU_TENSOR_MAP_DTYPE = {"float16": 6, "bfloat16": 9}
+_CU_SWIZZLE_128B = 3
+_CU_L2_PROMOTION_256B = 3
+_MAP_DTYPE = np.dtype((np.void, 128))
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_tiled() -> Any:
+    """The driver's cuTensorMapEncodeTiled (libcuda, loaded once through ctypes: no extra package)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_uint32,
+        ctypes.c_void_p,
+        u64p,
+        u64p,
+        u32p,
+        u32p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    return fn
+
+
+@functools.lru_cache(maxsize=512)
+def tensor_map(
+    dtype: str, ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int]
+) -> np.ndarray:
+    """A 3-D tiled tensor map (dims innermost first, strides of dims 1 and 2 in bytes), 128-byte
+    swizzle, zero fill out of bounds, as one 128-byte NumPy element to pass by value. Cached: a
+    training loop reuses the same few (pointer, shape) pairs."""
+    buf = np.zeros(256, np.uint8)
+    off = -buf.ctypes.data % 64  # CUtensorMap is 64-byte aligned
+    out = buf[off : off + 128].view(_MAP_DTYPE)
+    u64x3, u64x2, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint64 * 2, ctypes.c_uint32 * 3
+    err = _encode_tiled()(
+        out.ctypes.data,
+        _CU_TENSOR_MAP_DTYPE[dtype],
+        3,
+        ptr,
+        u64x3(*dims),
+        u64x2(*strides),
+        u32x3(box[0], box[1], 1),
+        u32x3(1, 1, 1),
+        0,
+        _CU_SWIZZLE_128B,
+        _CU_L2_PROMOTION_256B,
+        0,
+    )
+    if err != 0:
+        raise RuntimeError(
+            f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims {dims}, strides {strides}, box {box}"
+        )
+    out.flags.writeable = False
+    return out
+
+
+def _operand_map(
+    dtype: str,
+    sz: int,
+    ptr: int,
+    inner: int,
+    outer: int,
+    ld: int,
+    batch: int,
+    sbatch: int,
+    box: tuple[int, int],
+) -> np.ndarray:
+    # A leading dimension that is never stepped over (outer <= 1) may be anything: give TMA a
+    # valid one. Likewise the batch stride when there is one batch.
+    ld_bytes = ld * sz if outer > 1 else -(-inner * sz // 16) * 16
+    b_bytes = sbatch * sz if batch > 1 else ld_bytes * outer
+    return tensor_map(dtype, ptr, (inner, outer, batch), (ld_bytes, b_bytes), box)
+
+
+def tma_maps(g: Gemm) -> tuple[np.ndarray, np.ndarray, int]:
+    """(map of A, map of B, batch count) for :func:`uses_tma` problems."""
+    nb, sa, sb = tma_batch(g)  # type: ignore[misc]
+    a_k, b_k = operand_layouts(g)
+    name, sz = g.dtype.name, g.dtype.itemsize
+    if a_k:
+        ma = _operand_map(name, sz, g.a, g.K, g.M, g.sa_m, nb, sa, (64, BM))
+    else:
+        ma = _operand_map(name, sz, g.a, g.M, g.K, g.sa_k, nb, sa, (64, 64))
+    if b_k:
+        mb = _operand_map(name, sz, g.b, g.K, g.N, g.sb_n, nb, sb, (64, BN))
+    else:
+        mb = _operand_map(name, sz, g.b, g.N, g.K, g.sb_k, nb, sb, (64, 64))
+    return ma, mb, nb
 
 
 def _device_caps(device: int) -> tuple[int, int]:
@@ -233,12 +419,12 @@ def supports(g: Gemm) -> bool:
 
 
 def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None) -> None:
-    """Run one problem on `stream` (an object with ``.ptr``). version None or "tc": the wgmma
-    kernels where :func:`uses_wgmma` says so, else mma.sync; "mma": mma.sync only. `load`
-    overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one: for tests
-    and benchmarks)."""
-    if version not in (None, "tc", "mma"):
-        raise ValueError(f"matmul_tc: unknown version {version!r} (None, 'tc' or 'mma')")
+    """Run one problem on `stream` (an object with ``.ptr``). version None or "tc": the kernel
+    :func:`route` picks (TMA, then cp.async wgmma, then mma.sync); "tma", "wgmma", "mma": that one.
+    `load` overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one: for
+    tests and benchmarks)."""
+    if version not in (None, "tc", "tma", "wgmma", "mma"):
+        raise ValueError(f"matmul_tc: unknown version {version!r} (None, 'tc', 'tma', 'wgmma' or 'mma')")
     if not supports(g):
         raise ValueError(
             f"matmul_tc takes bfloat16/float16, or float32 with precision 'tf32', on sm_80+; got {g.dtype} "
@@ -254,9 +440,25 @@ def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None
         raise ValueError(
             f"matmul_tc: load path {load} cannot run this {g.dtype} problem (natural: {natural})"
         )
+    kernel = route(g, load, version)
+    if kernel == "tma":
+        ma, mb, nb = tma_maps(g)
+        tiles = -(-g.M // BM) * -(-g.N // BN) * nb
+        grid = (min(tiles, device_caps(g.device).sm_count),)
+        a_k, b_k = operand_layouts(g)
+        KERNELS_SM90A.launch(
+            tma_name(g.dtype.name, g.act, a_k, b_k),
+            grid,
+            (TMA_THREADS,),
+            (ma, mb, g.c, g.bias, g.M, g.N, g.K, nb),
+            device=g.device,
+            stream=stream,
+            shared_mem=TMA_SMEM,
+        )
+        return
     tiles = -(-g.M // BM) * -(-g.N // BN)
     grid = (tiles, 1, min(batch, _MAX_GRID_Z))
-    if version != "mma" and uses_wgmma(g, load):
+    if kernel == "wgmma":
         module, name, smem = KERNELS_SM90A, wgmma_name(g.dtype.name, g.act, load), wgmma_smem_bytes(load)
     else:
         _, optin = _device_caps(g.device)
