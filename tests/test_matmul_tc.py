@@ -75,17 +75,18 @@ def test_tma_batch_collapses_dimensions_or_declines():
     assert mt.tma_batch(_g(batch=(1, 2, 3), sa_batch=(0, mk, 2 * mk), sb_batch=(0, 3 * kn, kn))) is None
 
 
-def test_route_without_a_gpu_is_mma_and_bad_versions_raise():
-    g = _g()
-    assert not mt.uses_tma(g)  # no device (or not compute capability 9.0) here
+def test_route_declines_what_tma_cannot_take():
     assert not mt.uses_tma(_g(K=0))
     assert not mt.uses_tma(_g(a=2))  # misaligned rows: the copy engine needs 16-byte alignment
-    if not mt.uses_wgmma(g):
-        assert mt.route(g) == "mma"
-        with pytest.raises(ValueError, match="TMA kernel cannot run"):
-            mt.route(g, version="tma")
+    assert not mt.uses_tma(_g("float32", precision="tf32"))
+    mk = 256 * 128
+    assert not mt.uses_tma(_g(batch=(1, 1, 4), sa_batch=(0, 0, mk), sb_batch=(0, 0, 0)))  # broadcast B
+    with pytest.raises(ValueError, match="TMA kernel cannot run"):
+        mt.route(_g(a=2), version="tma")
+    with pytest.raises(ValueError, match="wgmma kernel cannot run"):
+        mt.route(_g(), version="wgmma")  # B row-major: the cp.async wgmma kernel takes K-major B only
     with pytest.raises(ValueError, match="unknown version"):
-        mt.route(g, version="cublas")
+        mt.route(_g(), version="cublas")
 
 
 def test_operand_layouts_follow_the_unit_stride():
