@@ -1,0 +1,460 @@
+"""MultiTensorOptimizer: the torch.optim.Optimizer subclass every cukit optimizer derives from.
+
+Per step on the GPU: one pointer check (a tuple of the params' and grads' data_ptr()s, or in
+flat-gradient mode an identity check of two grads), then for each launch (one per device, dtype
+combination and compile-time variant, up to 8 param groups each) the lrs by value and one kernel
+over every tensor. The device tables are rebuilt only when a pointer changes. Step counts live in
+one float32 device vector per launch; ``state[p]["step"]`` are 0-dim views into it (torch's layout:
+a float32 scalar tensor per parameter), so state_dicts load both ways.
+
+Without a GPU (or for CPU tensors) the same class runs ``optim/_reference.py`` one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from cukit.optim import _engine as eng
+from cukit.optim._kernels import COMBOS
+
+import cukit
+from cukit._runtime import KernelModule
+
+__all__ = ["MultiTensorOptimizer"]
+
+Tensor = torch.Tensor
+_DATA_PTR = Tensor.data_ptr
+_STATE_DTYPES = {None, torch.float32, torch.bfloat16, torch.float16, torch.float64}
+
+
+@dataclass
+class _Plan:
+    """One kernel launch's worth of tensors and the device objects it needs."""
+
+    gids: list[int]  # optimizer param-group indices, launch-local index = position
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: dict[str, list[Tensor]]
+    masters: list[Tensor] | None
+    pname: str
+    sname: str
+    variant: tuple[Any, ...]
+    table: eng.TensorTable | None = None
+    steps: Tensor | None = None  # float32 [T]: state[p]["step"] are views into it
+    counts: Tensor | None = None  # SGD: steps taken with each momentum buffer
+    hp: Tensor | None = None
+    hp_values: tuple[float, ...] = ()
+    member_gids: list[int] = field(default_factory=list)  # the param group of each tensor
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+class MultiTensorOptimizer(torch.optim.Optimizer):
+    """Base of cukit's fused multi-tensor optimizers (see the module docstring).
+
+    Options shared by every optimizer (keyword-only, not part of the param groups, so a state_dict
+    stays torch's):
+        flat_grads: the optimizer owns one gradient buffer per (device, dtype); each ``p.grad`` is a
+            view into it and :meth:`zero_grad` clears it in place. The per-step host cost then does
+            not depend on the number of tensors. Every parameter has a gradient (zeros when unused).
+        master_weights: keep a float32 copy of 16-bit parameters (``state[p]["master_param"]``); the
+            update runs on it and the parameter receives its rounding.
+        state_dtype: dtype of the optimizer state (default: the parameter's, as torch); float32 for
+            16-bit parameters, or bfloat16 for float32 parameters.
+        max_grad_norm: clip the gradients' global L2 norm to this inside the step (the gradients
+            themselves are left as they are), computed on the GPU with no host sync.
+    """
+
+    _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler passes grad_scale / found_inf
+    _module: ClassVar[KernelModule]
+    _has_step: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        flat_grads: bool = False,
+        master_weights: bool = False,
+        state_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if state_dtype not in _STATE_DTYPES:
+            raise TypeError(f"state_dtype must be None, torch.float32 or torch.bfloat16; got {state_dtype!r}")
+        if max_grad_norm is not None and not (float(max_grad_norm) > 0.0):
+            raise ValueError(f"max_grad_norm must be a positive number or None; got {max_grad_norm!r}")
+        self._flat = bool(flat_grads)
+        self._master = bool(master_weights)
+        self._state_dtype = state_dtype
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._key: tuple[int, ...] | None = None
+        self._plans: list[_Plan] = []
+        self._norm: dict[str, Any] | None = None
+        self._flat_buffers: list[Tensor] = []
+        self._sentinels: list[tuple[Tensor, Tensor]] = []
+        self._pending_counts = False
+        super().__init__(params, defaults)
+        self._all = [p for g in self.param_groups for p in g["params"]]
+        for p in self._all:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"params must be tensors; got {type(p).__qualname__}")
+            if p.is_sparse:
+                raise TypeError("cukit.optim does not support sparse parameters")
+        if self._flat:
+            self._make_flat_grads()
+
+    # ---------------------------------------------------------------- subclass hooks
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _variant(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """Compile-time choices a launch cannot mix (part of the partition key)."""
+        return ()
+
+    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
+        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+
+    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _reference(self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: Tensor | None) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- torch.optim.Optimizer API
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_all"):
+            self._all = [p for g in self.param_groups for p in g["params"]]
+            self._invalidate()
+            if self._flat:
+                self._make_flat_grads()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts floating state to the parameter's dtype; float32 masters and states of
+        # another dtype keep theirs here.
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        keep: dict[int, dict[str, Tensor]] = {}
+        for i in ids:
+            st = saved.get(i, {})
+            keep[i] = {
+                k: v for k, v in st.items() if isinstance(v, Tensor) and k != "step" and v.is_floating_point()
+            }
+        super().load_state_dict(state_dict)
+        for i, p in zip(ids, self._all, strict=False):
+            for k, v in keep.get(i, {}).items():
+                target = torch.float32 if k == "master_param" else (self._state_dtype or v.dtype)
+                self.state[p][k] = v.to(device=p.device, dtype=target, copy=True)
+        self._invalidate()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients. In flat-gradient mode the one buffer is zeroed in place (the grads
+        stay views into it, whatever `set_to_none` says)."""
+        if self._flat:
+            self._check_flat()
+            for b in self._flat_buffers:
+                b.zero_()
+            return
+        super().zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every parameter with a gradient. Reads ``self.grad_scale`` and
+        ``self.found_inf`` when torch.amp.GradScaler sets them: the gradients are unscaled in the
+        kernel and, when found_inf != 0, nothing changes (no host sync)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        if not self._refresh():
+            return loss
+        if self._plans[0].table is None:
+            self._reference_step(grad_scale, found_inf)
+            return loss
+        gmul = self._clip_coefficient(grad_scale) if self._max_grad_norm is not None else None
+        common: dict[str, Any] = {"grad_div": grad_scale, "grad_mul": gmul, "skip": found_inf}
+        for plan in self._plans:
+            self._launch(plan, common)
+        if self._pending_counts and found_inf is None:
+            self._pending_counts = False  # every momentum buffer now exists (nothing was skipped)
+        return loss
+
+    # ---------------------------------------------------------------- pointers and plans
+    def _invalidate(self) -> None:
+        self._key = None
+
+    def _refresh(self) -> bool:
+        """Rebuild the plans if a param or grad pointer changed. False when no param has a grad."""
+        if self._flat and self._key is not None:
+            self._check_flat()
+            return bool(self._plans)
+        ps = self._all
+        grads = [p.grad for p in ps]
+        key = (*map(_DATA_PTR, ps), *(-1 if g is None else g.data_ptr() for g in grads))
+        if key != self._key:
+            self._build()
+            self._key = key
+        return bool(self._plans)
+
+    def _use_kernels(self, params: Sequence[Tensor]) -> bool:
+        return cukit.is_available() and all(p.is_cuda for p in params)
+
+    def _build(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "cukit.optim: the parameters or gradients changed during CUDA-graph capture; run the "
+                "step once before capturing (with the same gradient tensors)"
+            )
+        active: list[tuple[int, Tensor]] = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise TypeError("cukit.optim does not support sparse gradients")
+                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                    raise ValueError(
+                        f"a gradient does not match its parameter (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+                    )
+                active.append((gi, p))
+        kernels = bool(active) and self._use_kernels([p for _, p in active])
+        parts: dict[tuple[Any, ...], list[tuple[int, Tensor]]] = {}
+        for gi, p in active:
+            group = self.param_groups[gi]
+            pname = _dtype_name(p.dtype)
+            sdt = self._state_dtype or p.dtype
+            sname = _dtype_name(sdt)
+            master = self._master and p.dtype in (torch.float16, torch.bfloat16)
+            if (pname, sname, master) not in COMBOS:
+                raise TypeError(
+                    f"cukit.optim: parameters of dtype {pname} with state_dtype {sname} are not supported; "
+                    f"supported (param, state): {sorted({(a, b) for a, b, _ in COMBOS})}"
+                )
+            k = (p.device, pname, sname, master, self._variant(group))
+            parts.setdefault(k, []).append((gi, p))
+        plans: list[_Plan] = []
+        for (_, pname, sname, master, variant), members in parts.items():
+            gids = list(dict.fromkeys(gi for gi, _ in members))
+            for s in range(0, len(gids), eng.MAX_GROUPS):
+                chosen = gids[s : s + eng.MAX_GROUPS]
+                sub = [(gi, p) for gi, p in members if gi in chosen]
+                plans.append(self._make_plan(chosen, sub, pname, sname, master, variant, kernels))
+        self._plans = plans
+        self._norm = None
+
+    def _make_plan(
+        self,
+        gids: list[int],
+        members: list[tuple[int, Tensor]],
+        pname: str,
+        sname: str,
+        master: bool,
+        variant: tuple[Any, ...],
+        kernels: bool,
+    ) -> _Plan:
+        params = [p for _, p in members]
+        grads = [p.grad for p in params]
+        for i, p in enumerate(params):
+            if kernels and not p.is_contiguous():
+                raise ValueError(
+                    f"cukit.optim: parameter {i} of a launch is not contiguous (shape {tuple(p.shape)})"
+                )
+            if kernels and not grads[i].is_contiguous():  # type: ignore[union-attr]
+                raise ValueError(
+                    f"cukit.optim: the gradient of parameter of shape {tuple(p.shape)} is not contiguous"
+                )
+        sdt = getattr(torch, sname)
+        states: dict[str, list[Tensor]] = {}
+        group0 = self.param_groups[gids[0]]
+        fresh: list[bool] = []
+        for key in self._state_keys(group0):
+            lst = []
+            for gi, p in members:
+                st = self.state[p]
+                v = st.get(key)
+                if key == self._state_keys(group0)[0]:
+                    fresh.append(v is None)
+                if v is None:
+                    v = self._new_state(p, key, self.param_groups[gi], sdt)
+                elif v.dtype != sdt or v.device != p.device or not v.is_contiguous():
+                    v = v.to(device=p.device, dtype=sdt, memory_format=torch.contiguous_format)
+                st[key] = v
+                lst.append(v)
+            states[key] = lst
+        masters = None
+        if master:
+            masters = []
+            for p in params:
+                m = self.state[p].get("master_param")
+                if m is None or m.dtype != torch.float32 or m.device != p.device or not m.is_contiguous():
+                    m = (p if m is None else m).detach().to(torch.float32, copy=True).contiguous()
+                    self.state[p]["master_param"] = m
+                masters.append(m)
+        plan = _Plan(gids, params, grads, states, masters, pname, sname, variant)  # type: ignore[arg-type]
+        plan.member_gids = [gi for gi, _ in members]
+        plan.scratch["fresh"] = torch.tensor(fresh or [False] * len(params))
+        if self._has_step:
+            for p in params:
+                if "step" not in self.state[p]:
+                    self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if not kernels:
+            return plan
+        local = {gi: i for i, gi in enumerate(gids)}
+        lists = [params, grads, *states.values(), *([masters] if masters is not None else [])]
+        plan.table = eng.TensorTable(lists, [local[gi] for gi, _ in members])  # type: ignore[arg-type]
+        device = params[0].device
+        if self._has_step:
+            plan.steps = _gather_steps([self.state[p]["step"] for p in params], device)
+            for i, p in enumerate(params):
+                self.state[p]["step"] = plan.steps[i]
+        self._refresh_hp(plan)
+        return plan
+
+    def _refresh_hp(self, plan: _Plan) -> None:
+        vals: list[float] = []
+        for gi in plan.gids:
+            h = self._hp(self.param_groups[gi])
+            vals.extend(h)
+            vals.extend([0.0] * (eng.K_HP - len(h)))
+        tup = tuple(vals)
+        if tup != plan.hp_values:
+            if plan.hp is not None and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "cukit.optim: hyperparameters other than lr changed during CUDA-graph capture"
+                )
+            plan.hp = eng.hp_tensor(tup, plan.params[0].device)
+            plan.hp_values = tup
+
+    def _lrs(self, plan: _Plan) -> tuple[list[float], Tensor | None]:
+        lrs = [self.param_groups[gi]["lr"] for gi in plan.gids]
+        if any(isinstance(v, Tensor) for v in lrs):
+            dev = plan.params[0].device
+            return eng.no_lr(), torch.stack(
+                [torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(()) for v in lrs]
+            )
+        return [float(v) for v in lrs] + [0.0] * (eng.MAX_GROUPS - len(lrs)), None
+
+    def _common_args(self, plan: _Plan, common: dict[str, Any]) -> dict[str, Any]:
+        self._refresh_hp(plan)
+        lrs, lr_dev = self._lrs(plan)
+        return {"hp": plan.hp, "groups": len(plan.gids), "lrs": lrs, "lr_dev": lr_dev, **common}
+
+    # ---------------------------------------------------------------- flat gradients
+    def _make_flat_grads(self) -> None:
+        by: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for p in self._all:
+            by.setdefault((p.device, p.dtype), []).append(p)
+        self._flat_buffers = []
+        self._sentinels = []
+        with torch.no_grad():
+            for (device, dtype), ps in by.items():
+                # each view starts on a 16-byte boundary, so every grad takes the vector path
+                align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+                offs, n = [], 0
+                for p in ps:
+                    offs.append(n)
+                    n += -(-p.numel() // align) * align
+                buf = torch.zeros(n, dtype=dtype, device=device)
+                for p, o in zip(ps, offs, strict=True):
+                    view = buf[o : o + p.numel()].view(p.shape)
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+                self._flat_buffers.append(buf)
+                self._sentinels += [(ps[0], ps[0].grad), (ps[-1], ps[-1].grad)]  # type: ignore[list-item]
+        self._invalidate()
+
+    def _check_flat(self) -> None:
+        for p, view in self._sentinels:
+            if p.grad is not view:
+                raise RuntimeError(
+                    "cukit.optim (flat_grads=True): a parameter's .grad is no longer the optimizer's view "
+                    "(model.zero_grad() sets grads to None); clear grads with optimizer.zero_grad()"
+                )
+
+    # ---------------------------------------------------------------- clipping
+    def _clip_coefficient(self, grad_scale: Tensor | None) -> Tensor:
+        """The clipping coefficient min(1, max_norm / (||g / grad_scale|| + 1e-6)) on the device."""
+        from cukit.optim import utils
+
+        if self._norm is None:
+            grads = [g for plan in self._plans for g in plan.grads]
+            self._norm = utils.prepare_norm(grads)
+        return utils.run_norm(self._norm, grad_div=grad_scale, max_norm=self._max_grad_norm)["coef"]
+
+    # ---------------------------------------------------------------- reference path
+    def _reference_step(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        if found_inf is not None and float(found_inf) != 0.0:
+            return
+        gmul: Tensor | None = None
+        if grad_scale is not None:
+            gmul = 1.0 / grad_scale.to(torch.float32)
+        if self._max_grad_norm is not None:
+            from cukit.optim import utils
+
+            grads = [g for plan in self._plans for g in plan.grads]
+            norm = utils.reference_l2norm(grads)
+            if grad_scale is not None:
+                norm = norm / grad_scale.to(norm.dtype)
+            coef = torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0)
+            gmul = coef if gmul is None else gmul * coef
+        for plan in self._plans:
+            steps: list[float] = []
+            if self._has_step:
+                for p in plan.params:
+                    s = self.state[p]["step"]
+                    s += 1
+                    steps.append(float(s))
+            for gi in plan.gids:
+                sel = [i for i, g in enumerate(plan.member_gids) if g == gi]
+                sub = _Plan(
+                    [gi],
+                    [plan.params[i] for i in sel],
+                    [plan.grads[i] for i in sel],
+                    {k: [v[i] for i in sel] for k, v in plan.states.items()},
+                    None if plan.masters is None else [plan.masters[i] for i in sel],
+                    plan.pname,
+                    plan.sname,
+                    plan.variant,
+                )
+                sub.scratch["fresh"] = plan.scratch["fresh"][sel] if sel else plan.scratch["fresh"][:0]
+                self._reference(self.param_groups[gi], sub, [steps[i] for i in sel] if steps else [], gmul)
+            plan.scratch["fresh"] = torch.zeros_like(plan.scratch["fresh"])
+
+
+def _gather_steps(steps: list[Tensor], device: torch.device) -> Tensor:
+    """A float32 device vector with the values of `steps` (0-dim tensors anywhere): views into one
+    of our earlier vectors are gathered with one index_select per vector, the rest copied."""
+    out = torch.zeros(len(steps), dtype=torch.float32, device=device)
+    by_base: dict[int, tuple[Tensor, list[int], list[int]]] = {}
+    for i, s in enumerate(steps):
+        base = s._base
+        if (
+            base is not None
+            and base.dim() == 1
+            and base.dtype == torch.float32
+            and base.device == device
+            and s.dim() == 0
+        ):
+            entry = by_base.setdefault(id(base), (base, [], []))
+            entry[1].append(i)
+            entry[2].append(s.storage_offset() - base.storage_offset())
+        else:
+            out[i] = s.detach().to(device=device, dtype=torch.float32)
+    for base, dst, src in by_base.values():
+        idx_src = torch.tensor(src, dtype=torch.long, device=device)
+        idx_dst = torch.tensor(dst, dtype=torch.long, device=device)
+        out.index_copy_(0, idx_dst, base.index_select(0, idx_src))
+    return out

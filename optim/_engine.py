@@ -1,0 +1,185 @@
+"""The host side of the multi-tensor engine (raw_kernels/include/cukit/multi_tensor.cuh).
+
+A :class:`TensorTable` is the device table of one launch: the addresses of T tensors in L lists
+(param, grad, states...), their sizes, per-tensor info (param group, alignment) and the work list
+of (tensor, chunk) pairs. It is built once, from host-side NumPy arrays copied to the device with
+a synchronous (pageable) copy, so nothing races with a kernel still reading an older table: a new
+table is a new allocation, and torch's caching allocator reuses the old one only after the work
+queued on the stream before it was freed. Every kernel launch then covers every chunk of every
+tensor, whatever T is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from cukit._device import sm_count
+from cukit._runtime import KernelModule
+from cukit.interop import current_stream
+
+__all__ = ["K_HP", "K_VEC", "MAX_GROUPS", "TensorTable", "launch_count", "launch_update", "no_lr"]
+
+K_VEC = 4  # kVec in multi_tensor.cuh
+MAX_GROUPS = 8  # kMaxGroups
+K_HP = 8  # kHP
+ALIGNED_BIT = 1 << 8
+DEFAULT_CHUNK = 1 << 14  # elements per (tensor, chunk) work item: ~7.6K chunks for GPT-2 small
+_MAX_BLOCK = 512
+_MIN_BLOCK = 64
+_THREADS_PER_SM = 2048
+
+
+class TensorTable:
+    """The device table of one launch over T tensors in L lists.
+
+    Args:
+        lists: L sequences of T contiguous tensors on one CUDA device; tensor t of every list has
+            the same number of elements (a param, its grad, its states).
+        groups: the launch-local group index (0 ... 7) of each tensor: which hyperparameters it uses.
+        chunk: elements per work item (a multiple of K_VEC).
+
+    Attributes: ``table`` (the int64 device tensor), ``T``, ``C`` (chunks), ``chunk``, ``numel``,
+    ``block`` and ``grid`` (the launch shape), ``device`` (index), ``nbytes_per_elem`` (bytes the
+    lists occupy per element; benchmarks count traffic with it).
+    """
+
+    def __init__(
+        self, lists: Sequence[Sequence[torch.Tensor]], groups: Sequence[int], *, chunk: int = DEFAULT_CHUNK
+    ) -> None:
+        if not lists or not lists[0]:
+            raise ValueError("a tensor table needs at least one list of at least one tensor")
+        if chunk <= 0 or chunk % K_VEC:
+            raise ValueError(f"chunk must be a positive multiple of {K_VEC}; got {chunk}")
+        L, T = len(lists), len(lists[0])
+        if len(groups) != T:
+            raise ValueError(f"groups has {len(groups)} entries for {T} tensors")
+        first = lists[0][0]
+        device = first.device
+        if device.type != "cuda":
+            raise ValueError(f"tensor tables live on a CUDA device; got tensors on {device}")
+        sizes = np.fromiter((t.numel() for t in lists[0]), dtype=np.int64, count=T)
+        addr = np.empty((L, T), dtype=np.int64)
+        aligned = np.ones(T, dtype=bool)
+        for li, lst in enumerate(lists):
+            if len(lst) != T:
+                raise ValueError(f"list {li} has {len(lst)} tensors; list 0 has {T}")
+            for ti, t in enumerate(lst):
+                if t.device != device:
+                    raise ValueError(
+                        f"list {li}, tensor {ti} is on {t.device}; the table's device is {device}"
+                    )
+                if t.numel() != sizes[ti]:
+                    raise ValueError(
+                        f"list {li}, tensor {ti} has {t.numel()} elements; list 0's has {sizes[ti]}"
+                    )
+                if not t.is_contiguous():
+                    raise ValueError(
+                        f"list {li}, tensor {ti} is not contiguous (the kernels see raw pointers)"
+                    )
+            addr[li] = np.fromiter((t.data_ptr() for t in lst), dtype=np.int64, count=T)
+            itemsize = lst[0].element_size() if T else 1
+            aligned &= addr[li] % (K_VEC * itemsize) == 0
+        g = np.asarray(groups, dtype=np.int64)
+        if T and (g.min() < 0 or g.max() >= MAX_GROUPS):
+            raise ValueError(f"group indices must be in [0, {MAX_GROUPS})")
+        nchunks = -(-sizes // chunk)
+        if T and nchunks.max() >= 2**32:
+            raise ValueError("a tensor has more than 2**32 chunks")
+        chunk_begin = np.zeros(T + 1, dtype=np.int64)
+        np.cumsum(nchunks, out=chunk_begin[1:])
+        C = int(chunk_begin[-1])
+        tensor_of = np.repeat(np.arange(T, dtype=np.int64), nchunks)
+        within = np.arange(C, dtype=np.int64) - np.repeat(chunk_begin[:-1], nchunks)
+        work = (tensor_of << 32) | within
+        info = g | np.where(aligned, ALIGNED_BIT, 0)
+        host = np.concatenate([addr.ravel(), sizes, info, chunk_begin, work])
+        self.host = host  # kept for inspection and the tests; the device copy is what kernels read
+        self.table = torch.from_numpy(host).to(device)
+        self.L, self.T, self.C, self.chunk = L, T, C, chunk
+        self.numel = int(sizes.sum())
+        self.sizes = sizes
+        self.aligned = aligned
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.nbytes_per_elem = sum(lst[0].element_size() for lst in lists)
+        vectors_per_chunk = self.numel / max(C, 1) / K_VEC
+        self.block = int(
+            min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(vectors_per_chunk, 1))))))
+        )
+        per_sm = _THREADS_PER_SM // self.block
+        self.grid = max(1, min(C, sm_count(self.device) * per_sm * 4))
+
+    def tensor_of_chunk(self, c: int) -> tuple[int, int]:
+        """(tensor, first element) of work item `c` (host-side decoding, for tests)."""
+        w = int(self.host[(self.L + 3) * self.T + 1 + c])
+        return w >> 32, (w & 0xFFFFFFFF) * self.chunk
+
+
+def no_lr() -> list[float]:
+    return [0.0] * MAX_GROUPS
+
+
+def launch_update(
+    module: KernelModule,
+    name: str,
+    table: TensorTable,
+    *,
+    hp: torch.Tensor,
+    groups: int,
+    lrs: Sequence[float],
+    lr_dev: torch.Tensor | None,
+    grad_div: torch.Tensor | None,
+    grad_mul: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    extra: Sequence[Any] = (),
+) -> None:
+    """Launch one update kernel (CUKIT_MT_PARAMS + `extra`) on torch's current stream."""
+    if table.C == 0:
+        return
+    module.launch(
+        name,
+        (table.grid,),
+        (table.block,),
+        (
+            table.table,
+            table.T,
+            table.C,
+            table.chunk,
+            hp,
+            groups,
+            *lrs,
+            lr_dev,
+            grad_div,
+            grad_mul,
+            skip,
+            *extra,
+        ),
+        device=table.device,
+        stream=current_stream(table.device, True),
+    )
+
+
+def launch_count(module: KernelModule, steps: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """steps += 1 (a float32 vector on the device), unless *skip != 0."""
+    n = steps.numel()
+    if n == 0:
+        return
+    device = steps.get_device()
+    module.launch(
+        "cukit::mt::mt_count_step<0>",
+        (max(1, min(-(-n // 256), 1024)),),
+        (256,),
+        (steps, n, skip),
+        device=device,
+        stream=current_stream(device, True),
+    )
+
+
+def hp_tensor(values: Sequence[float], device: torch.device | int) -> torch.Tensor:
+    """The hyperparameter array of a launch: a new device allocation each time it changes (a
+    synchronous copy from pageable memory; the previous array stays valid for kernels in flight)."""
+    return torch.tensor(list(values), dtype=torch.float32, device=device)

@@ -1,0 +1,181 @@
+"""Adam and AdamW on the multi-tensor engine (kernels: raw_kernels/adam.cu)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from cukit.optim import _engine as eng
+from cukit.optim import _reference as ref
+from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._kernels import ADAM
+
+from cukit.interop import DTYPES
+
+__all__ = ["Adam", "AdamW"]
+
+
+def _check_common(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
+    if not isinstance(lr, torch.Tensor) and not float(lr) >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"Invalid betas: {betas} (two values in [0, 1))")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _ctype(name: str) -> str:
+    return DTYPES[name].ctype
+
+
+class Adam(MultiTensorOptimizer):
+    """Adam, fused over every tensor in one launch:
+    ``m += (1-b1)(g-m); v = b2 v + (1-b2) g²; p -= lr/(1-b1^t) · m / (sqrt(v/(1-b2^t)) + eps)``
+    with ``g += wd p`` (L2 penalty; AdamW decays the weights instead).
+
+    Arguments and state (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) are torch's, so
+    state_dicts load both ways and LR schedulers work; ``foreach``, ``fused`` and ``capturable``
+    are accepted for compatibility (every step is device-side: capturable in a CUDA graph once it
+    has run eagerly). ``differentiable=True`` is not supported. The keyword-only ``flat_grads``,
+    ``master_weights``, ``state_dtype`` and ``max_grad_norm`` are described in
+    :class:`cukit.optim.MultiTensorOptimizer`. Parameters: float16, bfloat16, float32, float64,
+    contiguous, on CUDA (any device type with the reference path).
+
+    See also: ``torch.optim.Adam(fused=True)``.
+    """
+
+    _module = ADAM
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool | None = None,
+        flat_grads: bool = False,
+        master_weights: bool = False,
+        state_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        _check_common(lr, betas, eps, weight_decay)
+        if differentiable:
+            raise ValueError("cukit.optim does not support differentiable=True")
+        if decoupled_weight_decay is not None and bool(decoupled_weight_decay) != self._decoupled:
+            raise ValueError(
+                f"{type(self).__name__} has decoupled_weight_decay={self._decoupled}; use "
+                f"cukit.optim.{'AdamW' if decoupled_weight_decay else 'Adam'}"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=bool(amsgrad),
+            maximize=bool(maximize),
+            foreach=foreach,
+            capturable=bool(capturable),
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=self._decoupled,
+        )
+        super().__init__(
+            params,
+            defaults,
+            flat_grads=flat_grads,
+            master_weights=master_weights,
+            state_dtype=state_dtype,
+            max_grad_norm=max_grad_norm,
+        )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("decoupled_weight_decay", self._decoupled)
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _variant(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        return (bool(group["amsgrad"]),)
+
+    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
+        b1, b2 = group["betas"]
+        return (
+            float(b1),
+            float(b2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            -1.0 if group["maximize"] else 1.0,
+        )
+
+    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        name = plan.scratch.get("kernel")
+        if name is None:
+            t = "true" if plan.variant[0] else "false"
+            m = "true" if plan.masters is not None else "false"
+            d = "true" if self._decoupled else "false"
+            name = plan.scratch["kernel"] = (
+                f"adam_step<{_ctype(plan.pname)}, {_ctype(plan.sname)}, {t}, {m}, {d}>"
+            )
+        args = self._common_args(plan, common)
+        eng.launch_count(ADAM, plan.steps, common["skip"])  # type: ignore[arg-type]
+        eng.launch_update(ADAM, name, plan.table, extra=(plan.steps,), **args)  # type: ignore[arg-type]
+
+    def _reference(
+        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
+    ) -> None:
+        b1, b2 = group["betas"]
+        ref.adam(
+            plan.params,
+            plan.grads,
+            plan.states["exp_avg"],
+            plan.states["exp_avg_sq"],
+            plan.states.get("max_exp_avg_sq"),
+            steps,
+            plan.masters,
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+            decoupled=self._decoupled,
+            gmul=gmul,
+        )
+
+
+class AdamW(Adam):
+    """AdamW: Adam with decoupled weight decay, ``p *= 1 - lr · wd`` before the Adam update
+    (default weight_decay 0.01, as torch). Everything else as :class:`Adam`.
+
+    See also: ``torch.optim.AdamW(fused=True)``.
+    """
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

@@ -1,0 +1,130 @@
+"""LAMB on the multi-tensor engine (kernels: raw_kernels/lamb.cu)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from cukit.optim import _engine as eng
+from cukit.optim import _reference as ref
+from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._kernels import LAMB
+
+from cukit.interop import DTYPES, current_stream
+
+__all__ = ["LAMB"]
+
+
+class LAMB(MultiTensorOptimizer):
+    """LAMB (You et al. 2020), fused: Adam's direction ``u = m̂ / (sqrt(v̂) + eps) + wd p`` scaled
+    per tensor by the trust ratio ``‖p‖ / ‖u‖`` (1 when either norm is 0): ``p -= lr · ratio · u``.
+    The per-tensor norms come from the same engine: three launches and no host sync.
+    State: ``step``, ``exp_avg``, ``exp_avg_sq``. torch has no LAMB; the arguments follow apex's
+    FusedLAMB (``bias_correction``; gradient clipping through ``max_grad_norm``).
+
+    See also: ``apex.optimizers.FusedLAMB``.
+    """
+
+    _module = LAMB
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        *,
+        maximize: bool = False,
+        flat_grads: bool = False,
+        master_weights: bool = False,
+        state_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not isinstance(lr, torch.Tensor) and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+            raise ValueError(f"Invalid betas: {betas} (two values in [0, 1))")
+        if eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"Invalid eps ({eps}) or weight_decay ({weight_decay})")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bool(bias_correction),
+            maximize=bool(maximize),
+        )
+        super().__init__(
+            params,
+            defaults,
+            flat_grads=flat_grads,
+            master_weights=master_weights,
+            state_dtype=state_dtype,
+            max_grad_norm=max_grad_norm,
+        )
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
+        b1, b2 = group["betas"]
+        return (
+            float(b1),
+            float(b2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            -1.0 if group["maximize"] else 1.0,
+            1.0 if group["bias_correction"] else 0.0,
+        )
+
+    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        table = plan.table
+        assert table is not None and plan.steps is not None
+        if "stage1" not in plan.scratch:
+            m = "true" if plan.masters is not None else "false"
+            types = f"{DTYPES[plan.pname].ctype}, {DTYPES[plan.sname].ctype}, {m}"
+            plan.scratch["stage1"] = f"lamb_stage1<{types}>"
+            plan.scratch["stage2"] = f"lamb_stage2<{types}>"
+            plan.scratch["ratio_kernel"] = f"lamb_ratio<{table.L}>"
+            dev = plan.params[0].device
+            plan.scratch["partial"] = torch.empty(2 * max(table.C, 1), dtype=torch.float32, device=dev)
+            plan.scratch["ratio"] = torch.empty(max(table.T, 1), dtype=torch.float32, device=dev)
+        partial, ratio = plan.scratch["partial"], plan.scratch["ratio"]
+        args = self._common_args(plan, common)
+        eng.launch_count(LAMB, plan.steps, common["skip"])
+        eng.launch_update(LAMB, plan.scratch["stage1"], table, extra=(plan.steps, partial), **args)
+        if table.C:
+            warps_per_block = 8
+            LAMB.launch(
+                plan.scratch["ratio_kernel"],
+                (max(1, min(-(-table.T // warps_per_block), 4096)),),
+                (32 * warps_per_block,),
+                (table.table, table.T, table.C, partial, ratio, common["skip"]),
+                device=table.device,
+                stream=current_stream(table.device, True),
+            )
+        eng.launch_update(LAMB, plan.scratch["stage2"], table, extra=(plan.steps, ratio), **args)
+
+    def _reference(
+        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
+    ) -> None:
+        b1, b2 = group["betas"]
+        ref.lamb(
+            plan.params,
+            plan.grads,
+            plan.states["exp_avg"],
+            plan.states["exp_avg_sq"],
+            steps,
+            plan.masters,
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+            maximize=group["maximize"],
+            gmul=gmul,
+        )

@@ -1,0 +1,93 @@
+"""Lion on the multi-tensor engine (kernels: raw_kernels/lion.cu)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from cukit.optim import _engine as eng
+from cukit.optim import _reference as ref
+from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._kernels import LION
+
+from cukit.interop import DTYPES
+
+__all__ = ["Lion"]
+
+
+class Lion(MultiTensorOptimizer):
+    """Lion (Chen et al. 2023), fused over every tensor in one launch:
+    ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g); m = b2 m + (1-b2) g``. State: ``exp_avg``.
+
+    torch has no Lion; the arguments follow lion-pytorch (lr=1e-4, betas=(0.9, 0.99),
+    weight_decay=0). The keyword-only cukit options are described in
+    :class:`cukit.optim.MultiTensorOptimizer`.
+
+    See also: ``lion_pytorch.Lion``.
+    """
+
+    _module = LION
+    _has_step = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        flat_grads: bool = False,
+        master_weights: bool = False,
+        state_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not isinstance(lr, torch.Tensor) and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if len(betas) != 2 or not all(0.0 <= float(b) <= 1.0 for b in betas):
+            raise ValueError(f"Invalid betas: {betas} (two values in [0, 1])")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=bool(maximize))
+        super().__init__(
+            params,
+            defaults,
+            flat_grads=flat_grads,
+            master_weights=master_weights,
+            state_dtype=state_dtype,
+            max_grad_norm=max_grad_norm,
+        )
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg",)
+
+    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
+        b1, b2 = group["betas"]
+        return (float(b1), float(b2), float(group["weight_decay"]), -1.0 if group["maximize"] else 1.0)
+
+    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        name = plan.scratch.get("kernel")
+        if name is None:
+            m = "true" if plan.masters is not None else "false"
+            name = plan.scratch["kernel"] = (
+                f"lion_step<{DTYPES[plan.pname].ctype}, {DTYPES[plan.sname].ctype}, {m}>"
+            )
+        eng.launch_update(LION, name, plan.table, **self._common_args(plan, common))  # type: ignore[arg-type]
+
+    def _reference(
+        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
+    ) -> None:
+        b1, b2 = group["betas"]
+        ref.lion(
+            plan.params,
+            plan.grads,
+            plan.states["exp_avg"],
+            plan.masters,
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+            gmul=gmul,
+        )

@@ -1,0 +1,137 @@
+"""SGD with momentum on the multi-tensor engine (kernels: raw_kernels/sgd.cu)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from cukit.optim import _engine as eng
+from cukit.optim import _reference as ref
+from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._kernels import SGD as SGD_KERNELS
+
+from cukit.interop import DTYPES
+
+__all__ = ["SGD"]
+
+
+class SGD(MultiTensorOptimizer):
+    """SGD, fused over every tensor in one launch: ``g += wd p``;
+    ``buf = g`` on the first step, else ``momentum buf + (1-dampening) g``;
+    ``p -= lr (nesterov ? g + momentum buf : buf)`` (``p -= lr g`` without momentum).
+
+    Arguments and state (``momentum_buffer`` when momentum != 0) are torch's; the keyword-only
+    cukit options are described in :class:`cukit.optim.MultiTensorOptimizer`.
+
+    See also: ``torch.optim.SGD(fused=True)``.
+    """
+
+    _module = SGD_KERNELS
+    _has_step = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        flat_grads: bool = False,
+        master_weights: bool = False,
+        state_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not isinstance(lr, torch.Tensor) and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        if differentiable:
+            raise ValueError("cukit.optim does not support differentiable=True")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=bool(nesterov),
+            maximize=bool(maximize),
+            foreach=foreach,
+            differentiable=False,
+            fused=None,
+        )
+        super().__init__(
+            params,
+            defaults,
+            flat_grads=flat_grads,
+            master_weights=master_weights,
+            state_dtype=state_dtype,
+            max_grad_norm=max_grad_norm,
+        )
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _variant(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        return (group["momentum"] != 0,)
+
+    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
+        return (
+            float(group["momentum"]),
+            float(group["dampening"]),
+            float(group["weight_decay"]),
+            -1.0 if group["maximize"] else 1.0,
+            1.0 if group["nesterov"] else 0.0,
+        )
+
+    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        momentum = plan.variant[0]
+        name = plan.scratch.get("kernel")
+        if name is None:
+            m = "true" if plan.masters is not None else "false"
+            mom = "true" if momentum else "false"
+            name = plan.scratch["kernel"] = (
+                f"sgd_step<{DTYPES[plan.pname].ctype}, {DTYPES[plan.sname].ctype}, {mom}, {m}>"
+            )
+        if momentum and "counts" not in plan.scratch:
+            fresh = plan.scratch["fresh"]
+            # steps taken with each buffer: 0 for a buffer created now, so that the first
+            # (not skipped) step is the one with count 1; 2 for existing ones
+            plan.scratch["counts"] = torch.where(fresh, 0.0, 2.0).to(
+                device=plan.params[0].device, dtype=torch.float32
+            )
+            if bool(fresh.any()):
+                self._pending_counts = True
+        counts = plan.scratch.get("counts") if (momentum and self._pending_counts) else None
+        args = self._common_args(plan, common)
+        if counts is not None:
+            eng.launch_count(SGD_KERNELS, counts, common["skip"])
+        eng.launch_update(SGD_KERNELS, name, plan.table, extra=(counts,), **args)  # type: ignore[arg-type]
+
+    def _reference(
+        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
+    ) -> None:
+        momentum = group["momentum"] != 0
+        ref.sgd(
+            plan.params,
+            plan.grads,
+            plan.states.get("momentum_buffer") if momentum else None,
+            [bool(x) for x in plan.scratch["fresh"]],
+            plan.masters,
+            lr=float(group["lr"]),
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            gmul=gmul,
+        )

@@ -1,0 +1,236 @@
+"""Multi-tensor utilities: global and per-tensor L2 norms, clip_grad_norm_, a GPU-side
+non-finite flag. One pass over every tensor (kernels: raw_kernels/multi_tensor_l2norm.cu), no
+host sync; tensor tables are cached by the tensors' pointers, so a training loop builds them once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from cukit.optim import _engine as eng
+from cukit.optim._kernels import L2NORM
+
+import cukit
+from cukit.interop import DTYPES, current_stream
+
+__all__ = ["clip_grad_norm_", "multi_tensor_l2norm", "nonfinite_flag", "reference_l2norm"]
+
+Tensor = torch.Tensor
+_CACHE: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
+_CACHE_SIZE = 8
+_NORM_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def _as_tensors(tensors: Any, what: str) -> list[Tensor]:
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    out: list[Tensor] = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            if type(t).__module__.startswith("cupy"):
+                t = cukit.to_torch(t)
+            else:
+                raise TypeError(
+                    f"{what}[{i}] must be a torch.Tensor or cupy.ndarray; got {type(t).__qualname__}"
+                )
+        if t.dtype not in _NORM_DTYPES:
+            raise TypeError(f"{what}[{i}] must be float16, bfloat16, float32 or float64; got {t.dtype}")
+        out.append(t)
+    return out
+
+
+def _kernels_apply(tensors: Sequence[Tensor]) -> bool:
+    return (
+        bool(tensors)
+        and cukit.is_available()
+        and all(t.is_cuda for t in tensors)
+        and (len({t.device for t in tensors}) == 1)
+    )
+
+
+def reference_l2norm(tensors: Sequence[Tensor]) -> Tensor:
+    """||concat(tensors)||_2 in float64 from the stored values (the CPU fallback and test oracle)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    dev = tensors[0].device
+    sq = [t.detach().to(torch.float64).pow(2).sum().to(dev) for t in tensors]
+    return torch.stack(sq).sum().sqrt().to(torch.float32)
+
+
+def prepare_norm(tensors: Sequence[Tensor]) -> dict[str, Any]:
+    """Tensor tables (one per dtype) and workspaces for the norm kernels over `tensors` (contiguous,
+    on one CUDA device); cached by pointers."""
+    key = tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    dev = tensors[0].device
+    by: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {i} is not contiguous (the norm kernels see raw pointers)")
+        by.setdefault(t.dtype, []).append(i)
+    tables = []
+    offset = 0
+    for dtype, idx in by.items():
+        table = eng.TensorTable([[tensors[i] for i in idx]], [0] * len(idx))
+        tables.append((dtype, idx, table, offset))
+        offset += table.C
+    prep = {
+        "tables": tables,
+        "n": len(tensors),
+        "sumsq": torch.empty(max(offset, 1), dtype=torch.float32, device=dev),
+        "nonfinite": torch.empty(max(offset, 1), dtype=torch.float32, device=dev),
+        "C": offset,
+        "norm": torch.empty((), dtype=torch.float32, device=dev),
+        "coef": torch.empty((), dtype=torch.float32, device=dev),
+        "flag": torch.empty((), dtype=torch.float32, device=dev),
+        "device": tables[0][2].device,
+    }
+    _CACHE[key] = prep
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return prep
+
+
+def run_norm(
+    prep: dict[str, Any], *, grad_div: Tensor | None = None, max_norm: float | None = None
+) -> dict[str, Any]:
+    """Launch mt_sumsq per table and mt_norm_finalize: fills prep["norm"], ["flag"] and, with
+    max_norm, ["coef"] = min(1, max_norm / (norm + 1e-6)). Returns prep."""
+    device = prep["device"]
+    stream = current_stream(device, True)
+    sumsq, nonfinite = prep["sumsq"], prep["nonfinite"]
+    for dtype, _, table, off in prep["tables"]:
+        if table.C == 0:
+            continue
+        L2NORM.launch(
+            f"mt_sumsq<{DTYPES[str(dtype).removeprefix('torch.')].ctype}>",
+            (table.grid,),
+            (table.block,),
+            (
+                table.table,
+                table.T,
+                table.C,
+                table.chunk,
+                sumsq.data_ptr() + 4 * off,
+                nonfinite.data_ptr() + 4 * off,
+            ),
+            device=device,
+            stream=stream,
+        )
+    L2NORM.launch(
+        "mt_norm_finalize<0>",
+        (1,),
+        (1024,),
+        (
+            sumsq,
+            nonfinite,
+            prep["C"],
+            grad_div,
+            float(max_norm or 0.0),
+            prep["norm"],
+            prep["coef"] if max_norm is not None else None,
+            prep["flag"],
+        ),
+        device=device,
+        stream=stream,
+    )
+    return prep
+
+
+def multi_tensor_l2norm(tensors: Iterable[Any], per_tensor: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The global L2 norm ``sqrt(sum_i ||t_i||²)`` of a list of tensors (float32 0-dim tensor on their
+    device), and with ``per_tensor=True`` also each ``||t_i||`` (float32, shape (n,)).
+
+    One pass over all tensors on the GPU (squares summed in float32 per chunk, chunks in float64),
+    no host sync; torch CUDA tensors or CuPy arrays, contiguous, float16/bfloat16/float32/float64,
+    size 0 allowed. Other inputs run the float64 reference.
+
+    See also: ``torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in ts]))``,
+    ``torch._foreach_norm``.
+    """
+    ts = _as_tensors(tensors, "tensors")
+    if not _kernels_apply(ts):
+        total = reference_l2norm(ts)
+        if not per_tensor:
+            return total
+        per = torch.stack([t.detach().double().norm().float() for t in ts]) if ts else torch.zeros(0)
+        return total, per
+    prep = run_norm(prepare_norm(ts))
+    total = prep["norm"].clone()
+    if not per_tensor:
+        return total
+    dev = ts[0].device
+    per = torch.empty(len(ts), dtype=torch.float32, device=dev)
+    for _, idx, table, off in prep["tables"]:
+        out = torch.empty(len(idx), dtype=torch.float32, device=dev)
+        L2NORM.launch(
+            "mt_norm_per_tensor<0>",
+            (max(1, min(-(-table.T // 8), 4096)),),
+            (256,),
+            (table.table, table.T, table.C, prep["sumsq"].data_ptr() + 4 * off, None, out),
+            device=prep["device"],
+            stream=current_stream(prep["device"], True),
+        )
+        per.index_copy_(0, torch.tensor(idx, device=dev), out)
+    return total, per
+
+
+def nonfinite_flag(tensors: Iterable[Any]) -> Tensor:
+    """A float32 0-dim device tensor: 1.0 if any element of any tensor is inf or NaN, else 0.0,
+    computed without a host sync (read it when convenient, or feed it to a step as ``found_inf``).
+
+    See also: ``torch._amp_foreach_non_finite_check_and_unscale_``.
+    """
+    ts = _as_tensors(tensors, "tensors")
+    if not _kernels_apply(ts):
+        bad = any(bool((~torch.isfinite(t)).any()) for t in ts)
+        return torch.tensor(1.0 if bad else 0.0, device=ts[0].device if ts else None)
+    return run_norm(prepare_norm(ts))["flag"].clone()
+
+
+def clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_``: scales every gradient by
+    ``min(1, max_norm / (||g||_2 + 1e-6))`` in place and returns the total norm (float32 0-dim).
+
+    For the 2-norm of CUDA gradients: two launches per dtype plus one, no host sync (unless
+    ``error_if_nonfinite``, which must read the norm, as torch's does). Other norm types and CPU
+    gradients call torch's.
+
+    See also: ``torch.nn.utils.clip_grad_norm_``.
+    """
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if float(norm_type) != 2.0 or not _kernels_apply(grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    prep = run_norm(prepare_norm(grads), max_norm=float(max_norm))
+    norm = prep["norm"].clone()
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    for dtype, _, table, _ in prep["tables"]:
+        if table.C == 0:
+            continue
+        L2NORM.launch(
+            f"mt_scale<{DTYPES[str(dtype).removeprefix('torch.')].ctype}>",
+            (table.grid,),
+            (table.block,),
+            (table.table, table.T, table.C, table.chunk, prep["coef"]),
+            device=prep["device"],
+            stream=current_stream(prep["device"], True),
+        )
+    return norm

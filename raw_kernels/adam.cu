@@ -1,0 +1,83 @@
+// adam.cu: Adam and AdamW over a tensor table (the engine: cukit/multi_tensor.cuh).
+//   g = sign * grad * gmul  (+ wd * p for Adam's L2 penalty)       p *= 1 - lr * wd  (AdamW)
+//   m += (1 - b1) (g - m);   v = b2 v + (1 - b2) g^2;   vmax = max(vmax, v)  (amsgrad)
+//   p -= lr / (1 - b1^t) * m / (sqrt(v or vmax) / sqrt(1 - b2^t) + eps)
+// Host side and the plain-torch reference with the same maths: optim/adam.py, optim/_reference.py.
+// Lists: 0 param P, 1 grad P, 2 exp_avg S, 3 exp_avg_sq S, [max_exp_avg_sq S], [master float].
+// With a master, the maths reads and writes the float32 master and stores its rounding in param.
+// hp per group: beta1, beta2, eps, weight_decay, sign (-1 to maximize).
+#include <cukit/multi_tensor.cuh>
+
+using namespace cukit;
+using namespace cukit::mt;
+
+template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED> struct AdamFunctor {
+  static constexpr int L = 4 + AMSGRAD + MASTER;
+  static constexpr int kMax = 4, kMaster = 4 + AMSGRAD;
+  using A = acc_t<P>;
+  const float* steps;
+
+  struct Ctx {
+    A lr, b1, b2, eps, wd, sign, gmul, step_size, bc2_sqrt, decay;
+  };
+
+  __device__ Ctx context(long long i, int info, const Shared& sh) const {
+    const int g = info & kGroupMask;
+    const float* h = sh.hp + g * kHP;
+    Ctx c;
+    c.lr = sh.lr[g];
+    c.b1 = h[0];
+    c.b2 = h[1];
+    c.eps = h[2];
+    c.wd = h[3];
+    c.sign = h[4];
+    c.gmul = sh.gmul;
+    // torch computes the bias corrections in double on the host; here in double once per chunk.
+    const double t = steps[i];
+    const double bc1 = 1.0 - pow(static_cast<double>(h[0]), t);
+    c.step_size = static_cast<A>(static_cast<double>(c.lr) / bc1);
+    c.bc2_sqrt = static_cast<A>(sqrt(1.0 - pow(static_cast<double>(h[1]), t)));
+    c.decay = static_cast<A>(1.0 - static_cast<double>(c.lr) * static_cast<double>(h[3]));
+    return c;
+  }
+
+  template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
+    A w[N], g[N], m[N], v[N], vmax[N];
+    if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
+    else load<P, N>(p.template at<P>(0), off, w);
+    load<P, N>(p.template at<P>(1), off, g);
+    load<S, N>(p.template at<S>(2), off, m);
+    load<S, N>(p.template at<S>(3), off, v);
+    if constexpr (AMSGRAD) load<S, N>(p.template at<S>(kMax), off, vmax);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      A gk = c.sign * g[k] * c.gmul;
+      if constexpr (DECOUPLED) w[k] *= c.decay;
+      else gk += c.wd * w[k];
+      m[k] += (A(1) - c.b1) * (gk - m[k]);
+      v[k] = c.b2 * v[k] + (A(1) - c.b2) * gk * gk;
+      A vk = v[k];
+      if constexpr (AMSGRAD) {
+        vmax[k] = max(vmax[k], v[k]);
+        vk = vmax[k];
+      }
+      const A denom = sqrt(vk) / c.bc2_sqrt + c.eps;
+      w[k] -= c.step_size * (m[k] / denom);
+    }
+    if constexpr (MASTER) store<float, N>(p.template at<float>(kMaster), off, w);
+    store<P, N>(p.template at<P>(0), off, w);
+    store<S, N>(p.template at<S>(2), off, m);
+    store<S, N>(p.template at<S>(3), off, v);
+    if constexpr (AMSGRAD) store<S, N>(p.template at<S>(kMax), off, vmax);
+  }
+
+  __device__ __forceinline__ void end_chunk(long long, long long, const Ctx&) const {}
+};
+
+template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED>
+__global__ void __launch_bounds__(512) adam_step(CUKIT_MT_PARAMS, const float* __restrict__ steps) {
+  CUKIT_MT_PROLOGUE(sh);
+  using F = AdamFunctor<P, S, AMSGRAD, MASTER, DECOUPLED>;
+  const Table<F::L> tab{table, T, C, chunk};
+  for_each_chunk<F::L>(tab, F{steps}, sh);
+}

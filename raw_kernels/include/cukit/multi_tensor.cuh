@@ -1,0 +1,166 @@
+// cukit/multi_tensor.cuh: the multi-tensor engine. One launch updates every chunk of every tensor
+// of a tensor table, whatever the number of tensors: the tensors' addresses and sizes live in a
+// device table (built once by optim/_engine.py, TensorTable), not in the kernel's arguments.
+//
+// The table is one int64 array; with T tensors, L lists (param, grad, states...) and C chunks:
+//   [0, L*T)              addr[l * T + t]   the address of tensor t of list l
+//   [L*T, (L+1)*T)        size[t]           elements of tensor t (all lists of t have it; 64-bit)
+//   [(L+1)*T, (L+2)*T)    info[t]           bits 0-7: the tensor's group in the launch (its
+//                                           hyperparameters), bit 8: every list's address of t is
+//                                           aligned to kVec elements (the vector path)
+//   [(L+2)*T, (L+3)*T+1)  chunk_begin[t]    the index of t's first chunk in the work list; chunks
+//                                           of one tensor are consecutive, chunk_begin[T] = C
+//   [(L+3)*T+1, ... + C)  work[c]           (t << 32) | (chunk index within t)
+// Size-0 tensors have no chunk, so the kernels never see them.
+//
+// Per launch, besides the table: up to kMaxGroups param groups, each with kHP float
+// hyperparameters in a device array (written when they change, which is rarely) and its learning
+// rate passed by value (the one a scheduler changes every step: by value there is no host-to-device
+// copy to race with the previous step's kernel), or read from the device (capturable: lr tensors).
+#pragma once
+#include <cukit/dtypes.cuh>
+#include <cukit/vec.cuh>
+
+namespace cukit {
+namespace mt {
+
+constexpr int kVec = 4;         // elements per thread per trip: 16-byte loads for 4-byte types
+constexpr int kMaxGroups = 8;   // param groups per launch (their lrs are kernel arguments)
+constexpr int kHP = 8;          // hyperparameters per group in the hp array
+constexpr int kGroupMask = 0xff;
+constexpr int kAlignedBit = 1 << 8;
+
+template <int L> struct Table {
+  const long long* __restrict__ t;
+  long long T;
+  long long C;
+  long long chunk;
+  __device__ __forceinline__ long long addr(int list, long long i) const { return t[list * T + i]; }
+  __device__ __forceinline__ long long size(long long i) const { return t[L * T + i]; }
+  __device__ __forceinline__ int info(long long i) const { return static_cast<int>(t[(L + 1) * T + i]); }
+  __device__ __forceinline__ long long chunk_begin(long long i) const { return t[(L + 2) * T + i]; }
+  __device__ __forceinline__ long long work(long long c) const { return t[(L + 3) * T + 1 + c]; }
+};
+
+template <int L> struct Ptrs {
+  void* p[L];
+  template <typename T> __device__ __forceinline__ T* at(int list) const { return static_cast<T*>(p[list]); }
+};
+
+// What every update reads besides the table, staged once per block in shared memory.
+struct Shared {
+  float lr[kMaxGroups];
+  float hp[kMaxGroups * kHP];
+  float gmul;  // multiplies every gradient: 1 / grad_scale (GradScaler) * clip coefficient
+};
+
+// The parameters every update kernel starts with (signature "ptr i64 i64 i64 ptr i64 f32 x 8 ptr
+// ptr ptr ptr" in optim/_kernels.py: MT_PARAMS).
+#define CUKIT_MT_PARAMS                                                                               \
+  const long long *__restrict__ table, long long T, long long C, long long chunk,                     \
+      const float *__restrict__ hp, long long groups, float lr0, float lr1, float lr2, float lr3,      \
+      float lr4, float lr5, float lr6, float lr7, const float *__restrict__ lr_dev,                    \
+      const float *__restrict__ grad_div, const float *__restrict__ grad_mul, const float *__restrict__ skip
+
+// Fills `sh` (every thread must call it; it ends with a barrier). grad_div, grad_mul, lr_dev and
+// skip may be null. Returns false when *skip != 0: the step is skipped (a non-finite gradient
+// under GradScaler or in the clipping norm); the value is the same for every block, so all of
+// them return together and nothing is written.
+__device__ __forceinline__ bool load_shared(Shared& sh, const float* __restrict__ hp, long long groups,
+                                            const float (&lrs)[kMaxGroups], const float* __restrict__ lr_dev,
+                                            const float* __restrict__ grad_div,
+                                            const float* __restrict__ grad_mul, const float* __restrict__ skip) {
+  if (skip != nullptr && *skip != 0.f) return false;
+  const int i = threadIdx.x;
+  if (i < kMaxGroups * kHP) sh.hp[i] = i < groups * kHP ? hp[i] : 0.f;
+  if (i < kMaxGroups) sh.lr[i] = lr_dev != nullptr ? (i < groups ? lr_dev[i] : 0.f) : lrs[i];
+  if (i == 0) {
+    float m = 1.f;
+    if (grad_div != nullptr) m = 1.f / *grad_div;  // GradScaler scales are powers of two: exact
+    if (grad_mul != nullptr) m *= *grad_mul;
+    sh.gmul = m;
+  }
+  __syncthreads();
+  return true;
+}
+
+#define CUKIT_MT_PROLOGUE(sh)                                                                         \
+  __shared__ ::cukit::mt::Shared sh;                                                                   \
+  {                                                                                                    \
+    const float lrs_[::cukit::mt::kMaxGroups] = {lr0, lr1, lr2, lr3, lr4, lr5, lr6, lr7};              \
+    if (!::cukit::mt::load_shared(sh, hp, groups, lrs_, lr_dev, grad_div, grad_mul, skip)) return;     \
+  }
+
+// The engine: every block walks the work list with a grid stride; for each (tensor, chunk) it
+// reads the tensor's addresses once, asks the functor for the per-tensor context (bias
+// corrections, group hyperparameters), then visits the chunk's elements: kVec at a time where the
+// tensor is aligned (the tail of the tensor's last chunk one at a time), one at a time otherwise.
+// F provides:
+//   using Ctx = ...;
+//   __device__ Ctx context(long long tensor, int info, const Shared& sh) const;
+//   template <int N> __device__ void apply(const Ptrs<L>& p, long long offset, const Ctx& c) const;
+//   __device__ void end_chunk(long long c, long long tensor, const Ctx& c) const;  (block-wide; may sync)
+template <int L, typename F> __device__ __forceinline__ void for_each_chunk(const Table<L>& tab, const F& f,
+                                                                          const Shared& sh) {
+  for (long long c = blockIdx.x; c < tab.C; c += gridDim.x) {
+    const long long w = tab.work(c);
+    const long long i = w >> 32;
+    const long long start = (w & 0xffffffffLL) * tab.chunk;
+    const long long n = min(tab.size(i) - start, tab.chunk);
+    const int info = tab.info(i);
+    Ptrs<L> p;
+#pragma unroll
+    for (int l = 0; l < L; ++l) p.p[l] = reinterpret_cast<void*>(tab.addr(l, i));
+    const typename F::Ctx ctx = f.context(i, info, sh);
+    if (info & kAlignedBit) {
+      const long long nv = n / kVec;
+      for (long long v = threadIdx.x; v < nv; v += blockDim.x) f.template apply<kVec>(p, start + v * kVec, ctx);
+      for (long long e = nv * kVec + threadIdx.x; e < n; e += blockDim.x) f.template apply<1>(p, start + e, ctx);
+    } else {
+      for (long long e = threadIdx.x; e < n; e += blockDim.x) f.template apply<1>(p, start + e, ctx);
+    }
+    f.end_chunk(c, i, ctx);
+  }
+}
+
+// Loads N elements of list `l` at element offset `off`, converted to the accumulation type A.
+template <typename T, int N, typename A> __device__ __forceinline__ void load(const T* base, long long off, A (&x)[N]) {
+  const Vec<T, N> v = load_vec<T, N>(base + off);
+#pragma unroll
+  for (int k = 0; k < N; ++k) x[k] = to_acc<A>(v.v[k]);
+}
+
+template <typename T, int N, typename A> __device__ __forceinline__ void store(T* base, long long off, const A (&x)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int k = 0; k < N; ++k) v.v[k] = from_acc<T>(x[k]);
+  store_vec<T, N>(base + off, v);
+}
+
+// Sum of a float over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `scratch` holds 32 floats. Fixed order: the result does not depend on timing.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int nw = blockDim.x >> 5;
+  v = lane < nw ? scratch[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Counts a step: steps[i] += 1 for each of the n tensors, unless *skip != 0 (torch keeps a step
+// count per parameter, as a float32 scalar; these are its storage, see TensorTable.steps).
+template <int Unused> __global__ void mt_count_step(float* __restrict__ steps, long long n, const float* __restrict__ skip) {
+  if (skip != nullptr && *skip != 0.f) return;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    steps[i] += 1.f;
+}
+
+}  // namespace mt
+}  // namespace cukit
