@@ -56,15 +56,13 @@ class TensorTable:
         if chunk <= 0 or chunk % K_VEC:
             raise ValueError(f"chunk must be a positive multiple of {K_VEC}; got {chunk}")
         L, T = len(lists), len(lists[0])
-        if len(groups) != T:
-            raise ValueError(f"groups has {len(groups)} entries for {T} tensors")
         first = lists[0][0]
         device = first.device
         if device.type != "cuda":
             raise ValueError(f"tensor tables live on a CUDA device; got tensors on {device}")
         sizes = np.fromiter((t.numel() for t in lists[0]), dtype=np.int64, count=T)
         addr = np.empty((L, T), dtype=np.int64)
-        aligned = np.ones(T, dtype=bool)
+        itemsizes = []
         for li, lst in enumerate(lists):
             if len(lst) != T:
                 raise ValueError(f"list {li} has {len(lst)} tensors; list 0 has {T}")
@@ -82,22 +80,8 @@ class TensorTable:
                         f"list {li}, tensor {ti} is not contiguous (the kernels see raw pointers)"
                     )
             addr[li] = np.fromiter((t.data_ptr() for t in lst), dtype=np.int64, count=T)
-            itemsize = lst[0].element_size() if T else 1
-            aligned &= addr[li] % (K_VEC * itemsize) == 0
-        g = np.asarray(groups, dtype=np.int64)
-        if T and (g.min() < 0 or g.max() >= MAX_GROUPS):
-            raise ValueError(f"group indices must be in [0, {MAX_GROUPS})")
-        nchunks = -(-sizes // chunk)
-        if T and nchunks.max() >= 2**32:
-            raise ValueError("a tensor has more than 2**32 chunks")
-        chunk_begin = np.zeros(T + 1, dtype=np.int64)
-        np.cumsum(nchunks, out=chunk_begin[1:])
-        C = int(chunk_begin[-1])
-        tensor_of = np.repeat(np.arange(T, dtype=np.int64), nchunks)
-        within = np.arange(C, dtype=np.int64) - np.repeat(chunk_begin[:-1], nchunks)
-        work = (tensor_of << 32) | within
-        info = g | np.where(aligned, ALIGNED_BIT, 0)
-        host = np.concatenate([addr.ravel(), sizes, info, chunk_begin, work])
+            itemsizes.append(lst[0].element_size())
+        host, C, aligned = host_layout(addr, sizes, itemsizes, groups, chunk)
         self.host = host  # kept for inspection and the tests; the device copy is what kernels read
         self.table = torch.from_numpy(host).to(device)
         self.L, self.T, self.C, self.chunk = L, T, C, chunk
@@ -117,6 +101,33 @@ class TensorTable:
         """(tensor, first element) of work item `c` (host-side decoding, for tests)."""
         w = int(self.host[(self.L + 3) * self.T + 1 + c])
         return w >> 32, (w & 0xFFFFFFFF) * self.chunk
+
+
+def host_layout(
+    addr: np.ndarray, sizes: np.ndarray, itemsizes: Sequence[int], groups: Sequence[int], chunk: int
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """The int64 table of multi_tensor.cuh from addresses (L, T), sizes (T,), each list's itemsize
+    and each tensor's launch-local group. Returns (table, number of chunks, aligned flags)."""
+    L, T = addr.shape
+    aligned = np.ones(T, dtype=bool)
+    for li in range(L):
+        aligned &= addr[li] % (K_VEC * itemsizes[li]) == 0
+    g = np.asarray(groups, dtype=np.int64)
+    if len(g) != T:
+        raise ValueError(f"groups has {len(g)} entries for {T} tensors")
+    if T and (g.min() < 0 or g.max() >= MAX_GROUPS):
+        raise ValueError(f"group indices must be in [0, {MAX_GROUPS})")
+    nchunks = -(-sizes // chunk)
+    if T and nchunks.max() >= 2**32:
+        raise ValueError("a tensor has more than 2**32 chunks")
+    chunk_begin = np.zeros(T + 1, dtype=np.int64)
+    np.cumsum(nchunks, out=chunk_begin[1:])
+    C = int(chunk_begin[-1])
+    tensor_of = np.repeat(np.arange(T, dtype=np.int64), nchunks)
+    within = np.arange(C, dtype=np.int64) - np.repeat(chunk_begin[:-1], nchunks)
+    work = (tensor_of << 32) | within
+    info = g | np.where(aligned, ALIGNED_BIT, 0)
+    return np.concatenate([addr.ravel(), sizes, info, chunk_begin, work]), C, aligned
 
 
 def no_lr() -> list[float]:
