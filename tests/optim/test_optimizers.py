@@ -222,7 +222,7 @@ def test_grad_scale_and_found_inf(device: str, name: str) -> None:
     a, b = leaves(base), leaves(base)
     oa, ob = getattr(co, name)(a, lr=0.01, **kw), getattr(co, name)(b, lr=0.01, **kw)
     scale = torch.tensor(1024.0, device=device)
-    for s in range(4):
+    for _ in range(4):
         g = [torch.randn_like(p) for p in a]
         for p, q, gi in zip(a, b, g, strict=True):
             p.grad, q.grad = gi.clone(), gi * 1024.0
