@@ -1,0 +1,298 @@
+"""Benchmark ``cukit.optim`` against torch.optim's for-loop, foreach and fused implementations.
+
+Usage::
+
+    python benchmarks/bench_optim.py [--out DIR] [--quick] [--dry-run] [--budget-s S]
+
+Parameter sets (issue 4): GPT-2 small (148 tensors, 124M parameters) in float32 and bfloat16,
+2,000 x 4,096 and 10,000 x 256 (float32); optimizers AdamW, SGD with momentum, Lion, LAMB; plus
+AdamW with fused clipping (max_grad_norm) and GradScaler (grad_scale / found_inf) on GPT-2 float32.
+Implementations, in the same run: torch for-loop (``foreach=False``), foreach, fused (where torch
+has one) and cukit (and cukit with ``flat_grads=True``). torch has no Lion or LAMB: their "torch
+for-loop" row is cukit's plain-torch reference (``optim/_reference.py``), labelled as such.
+
+Per case: one step of each implementation from the same state is validated against the for-loop
+before timing; then the device time of a step (CUDA events, median, L2 flushed between repeats),
+the effective bandwidth (the bytes the update must move: each list read once, each updated list
+written once), its fraction of the measured copy bandwidth, and the host microseconds per step
+(the CPU time to enqueue one step; the GPU keeps up because the step is queued behind the next).
+``--dry-run`` runs tiny sizes on the CPU with perf_counter (the smoke test of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+try:  # run as a script: benchmarks/ is on sys.path
+    import harness
+except ImportError:  # imported as benchmarks.bench_optim from the repository root
+    from benchmarks import harness
+
+NAME = "bench_optim"
+OPTIMIZERS = ("AdamW", "SGD", "Lion", "LAMB")
+
+
+def gpt2_small_shapes() -> list[tuple[int, ...]]:
+    """GPT-2 small's 148 parameter tensors (124.4M elements)."""
+    d, v, n_ctx, layers = 768, 50257, 1024, 12
+    shapes: list[tuple[int, ...]] = [(v, d), (n_ctx, d)]
+    for _ in range(layers):
+        shapes += [
+            (d,),
+            (d,),
+            (d, 3 * d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (d,),
+            (d,),
+            (d, 4 * d),
+            (4 * d,),
+            (4 * d, d),
+            (d,),
+        ]
+    return [*shapes, (d,), (d,)]
+
+
+@dataclass
+class Config:
+    device: str = "cuda"
+    sets: tuple[str, ...] = ("gpt2-fp32", "gpt2-bf16", "2000x4096", "10000x256")
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    warmup: int = 3
+    repeats: int = 20
+    host_iters: int = 20
+    flush_l2: bool = True
+    dry_run: bool = False
+    budget_s: float = 540.0
+    out: str | None = None
+
+
+def param_set(name: str, dry: bool) -> tuple[list[tuple[int, ...]], str]:
+    if dry:
+        return {
+            "gpt2-fp32": ([(64, 8), (8,), (0,)], "float32"),
+            "gpt2-bf16": ([(64, 8), (8,)], "bfloat16"),
+            "2000x4096": ([(64,)] * 20, "float32"),
+            "10000x256": ([(4,)] * 100, "float32"),
+        }[name]
+    if name.startswith("gpt2"):
+        return gpt2_small_shapes(), "float32" if name.endswith("fp32") else "bfloat16"
+    n, m = (int(x) for x in name.split("x"))
+    return [(m,)] * n, "float32"
+
+
+# bytes moved per element, as multiples of the param itemsize (state in the param's dtype):
+# reads + writes of the lists each update touches
+TRAFFIC = {"AdamW": 7, "SGD": 5, "Lion": 5, "LAMB": 10}
+
+
+def make_impls(opt: str, device: str) -> list[tuple[str, Callable[[list[Any]], Any]]]:
+    import cukit.optim as co
+    import torch
+
+    kw: dict[str, Any] = {"lr": 1e-3}
+    if opt == "SGD":
+        kw["momentum"] = 0.9
+    out: list[tuple[str, Callable[[list[Any]], Any]]] = []
+    if opt in ("AdamW", "SGD"):
+        tcls = getattr(torch.optim, opt)
+        out.append(("torch for-loop", functools.partial(tcls, foreach=False, **kw)))
+        out.append(("torch foreach", functools.partial(tcls, foreach=True, **kw)))
+        if device.startswith("cuda"):
+            out.append(("torch fused", functools.partial(tcls, fused=True, **kw)))
+    else:
+        # torch has none: cukit's plain-torch reference, one tensor at a time (forced off the kernels)
+        def ref_factory(params: list[Any], _opt: str = opt) -> Any:
+            o = getattr(co, _opt)(params, **kw)
+            o._use_kernels = lambda ps: False  # type: ignore[method-assign]
+            return o
+
+        out.append(("torch for-loop (cukit reference)", ref_factory))
+    ccls = getattr(co, opt)
+    out.append(("cukit", functools.partial(ccls, **kw)))
+    out.append(("cukit flat_grads", functools.partial(ccls, flat_grads=True, **kw)))
+    return out
+
+
+def run_case(
+    cfg: Config,
+    set_name: str,
+    opt: str,
+    copy_bw: float,
+    rows: list[dict[str, Any]],
+    failures: list[str],
+    extra: str = "",
+) -> None:
+    import torch
+
+    shapes, dtype_name = param_set(set_name, cfg.dry_run)
+    dtype = getattr(torch, dtype_name)
+    numel = sum(int(torch.Size(s).numel()) for s in shapes)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    init = [torch.randn(s, generator=g).to(device=cfg.device, dtype=dtype) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(device=cfg.device, dtype=dtype) for s in shapes]
+    impls = make_impls(opt, cfg.device)
+    if extra:
+        impls = [(n, f) for n, f in impls if n in ("torch fused", "cukit")]
+    reference: list[Any] | None = None
+    for impl, factory in impls:
+        row: dict[str, Any] = {
+            "set": set_name,
+            "opt": opt + extra,
+            "impl": impl,
+            "dtype": dtype_name,
+            "tensors": len(shapes),
+            "numel": numel,
+        }
+        try:
+            params = [p.clone().requires_grad_() for p in init]
+            kwargs: dict[str, Any] = {}
+            if extra and impl == "cukit":
+                kwargs["max_grad_norm"] = 1e9  # computed and applied; too large to change the result
+            o = factory(params, **kwargs) if kwargs else factory(params)
+            for p, gr in zip(params, grads, strict=True):
+                if p.grad is None:
+                    p.grad = gr.clone()
+                else:
+                    p.grad.copy_(gr)
+            if extra:
+                scale = torch.tensor(1.0, device=cfg.device)
+                found = torch.zeros((), device=cfg.device)
+                if impl == "cukit":
+                    o.grad_scale, o.found_inf = scale, found
+                else:  # torch fused takes them the same way
+                    o.grad_scale, o.found_inf = scale, found
+            o.step()
+            harness.synchronize()
+            flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+            if reference is None:
+                reference = [flat]
+            else:
+                harness.check_close(
+                    flat,
+                    reference[0],
+                    name=f"{set_name} {opt} {impl}",
+                    atol=2e-2 if dtype_name == "bfloat16" else 1e-5,
+                    rtol=2e-2 if dtype_name == "bfloat16" else 1e-4,
+                )
+            wu, rep = (1, 3) if cfg.dry_run else (cfg.warmup, cfg.repeats)
+            t = harness.time_cuda(
+                o.step, warmup=wu, repeats=rep, flush_l2=cfg.flush_l2, cuda=cfg.device.startswith("cuda")
+            )
+            host = harness.host_cost_us(o.step, iters=cfg.host_iters, rounds=3, warmup=1)
+            nbytes = numel * TRAFFIC[opt] * (2 if dtype_name == "bfloat16" else 4)
+            row.update(
+                ms=t.ms,
+                min_ms=t.min_ms,
+                tbps=nbytes / (t.ms * 1e-3) / 1e12,
+                frac_copy=(nbytes / (t.ms * 1e-3)) / copy_bw if copy_bw else None,
+                host_us=host,
+            )
+            del o, params
+        except Exception as e:  # recorded, the run goes on
+            if harness.is_fatal_cuda_error(e):
+                raise
+            row["error"] = harness.short_error(e)
+            failures.append(f"{set_name} {opt}{extra} {impl}: {row['error']}")
+        rows.append(row)
+    base = {r["impl"]: r.get("ms") for r in rows if r["set"] == set_name and r["opt"] == opt + extra}
+    ref_ms = (
+        base.get("torch fused") or base.get("torch foreach") or base.get("torch for-loop (cukit reference)")
+    )
+    for r in rows:
+        if r["set"] == set_name and r["opt"] == opt + extra and r.get("ms") and ref_ms:
+            r["speedup_vs_best_torch"] = ref_ms / r["ms"]
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    import torch
+
+    env = harness.environment()
+    print(f"{NAME}: {env.get('gpu') or 'cpu'}  torch {env.get('torch')}  commit {env.get('git_commit')}")
+    copy_bw = harness.copy_bandwidth(cfg.device, nbytes=1 << 22 if cfg.dry_run else 1 << 30)
+    print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s")
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    t0 = time.perf_counter()
+    cases = [(s, o, "") for s in cfg.sets for o in cfg.optimizers]
+    cases.insert(1, ("gpt2-fp32", "AdamW", " +clip+scaler"))  # the fused-extras target, early
+    for set_name, opt, extra in cases:
+        if cfg.budget_s and time.perf_counter() - t0 > cfg.budget_s:
+            failures.append(f"{set_name} {opt}{extra}: skipped (time budget)")
+            continue
+        run_case(cfg, set_name, opt, copy_bw, rows, failures, extra)
+        torch.cuda.empty_cache() if cfg.device.startswith("cuda") else None
+    harness.print_table(
+        rows,
+        [
+            "set",
+            "opt",
+            "impl",
+            "dtype",
+            "tensors",
+            "ms",
+            "tbps",
+            "frac_copy",
+            "host_us",
+            "speedup_vs_best_torch",
+        ],
+        title="optimizer step: device ms (median), effective TB/s, fraction of copy bandwidth, host µs/step",
+    )
+    saved: list[str] = []
+    if cfg.out != "-":
+        paths = harness.save_results(
+            rows,
+            NAME,
+            cfg.out,
+            env=env,
+            meta={"copy_bandwidth": copy_bw},
+            plot_kwargs={
+                "x": "tensors",
+                "y": "ms",
+                "series": "impl",
+                "panels": ("opt", "dtype"),
+                "ylabel": "ms per step",
+                "logx": True,
+            },
+        )
+        saved = [str(p) for p in paths]
+    harness.print_outcome(failures, saved)
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--out", default=None, help="results directory (default benchmarks/results; '-' saves nothing)"
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, AdamW only")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (smoke test)")
+    ap.add_argument("--budget-s", type=float, default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = Config(out=args.out)
+    if args.quick:
+        cfg = replace(cfg, optimizers=("AdamW",), repeats=10, host_iters=10)
+    if args.dry_run:
+        cfg = replace(cfg, device="cpu", flush_l2=False, dry_run=True, host_iters=2, budget_s=0.0)
+    if args.budget_s is not None:
+        cfg = replace(cfg, budget_s=args.budget_s)
+    if cfg.device.startswith("cuda") and not harness.cuda_available():
+        print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""CPU smoke test of benchmarks/bench_optim.py --dry-run: every row validated and timed, results
+written. A benchmark is never a timed test: nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_dry_run_writes_validated_rows(tmp_path: Path) -> None:
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    bench = importlib.import_module("bench_optim")
+    assert len(bench.gpt2_small_shapes()) == 148
+    assert sum(int(__import__("math").prod(s)) for s in bench.gpt2_small_shapes()) == 124_439_808
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "bench_optim.json").read_text())
+    rows = doc["rows"]
+    assert rows and not [r for r in rows if r.get("error")]
+    assert {r["opt"] for r in rows} >= {"AdamW", "SGD", "Lion", "LAMB", "AdamW +clip+scaler"}
+    assert all(r["host_us"] > 0 and r["ms"] > 0 for r in rows)
