@@ -9,7 +9,7 @@ import torch
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import MultiTensorOptimizer, _Plan
-from cukit.optim._kernels import LAMB
+from cukit.optim._kernels import LAMB as LAMB_KERNELS
 
 from cukit.interop import DTYPES, current_stream
 
@@ -26,7 +26,7 @@ class LAMB(MultiTensorOptimizer):
     See also: ``apex.optimizers.FusedLAMB``.
     """
 
-    _module = LAMB
+    _module = LAMB_KERNELS
 
     def __init__(
         self,
@@ -38,6 +38,7 @@ class LAMB(MultiTensorOptimizer):
         bias_correction: bool = True,
         *,
         maximize: bool = False,
+        capturable: bool = False,
         flat_grads: bool = False,
         master_weights: bool = False,
         state_dtype: torch.dtype | None = None,
@@ -56,6 +57,7 @@ class LAMB(MultiTensorOptimizer):
             weight_decay=weight_decay,
             bias_correction=bool(bias_correction),
             maximize=bool(maximize),
+            capturable=bool(capturable),
         )
         super().__init__(
             params,
@@ -94,11 +96,11 @@ class LAMB(MultiTensorOptimizer):
             plan.scratch["ratio"] = torch.empty(max(table.T, 1), dtype=torch.float32, device=dev)
         partial, ratio = plan.scratch["partial"], plan.scratch["ratio"]
         args = self._common_args(plan, common)
-        eng.launch_count(LAMB, plan.steps, common["skip"])
-        eng.launch_update(LAMB, plan.scratch["stage1"], table, extra=(plan.steps, partial), **args)
+        eng.launch_count(LAMB_KERNELS, plan.steps, common["skip"])
+        eng.launch_update(LAMB_KERNELS, plan.scratch["stage1"], table, extra=(plan.steps, partial), **args)
         if table.C:
             warps_per_block = 8
-            LAMB.launch(
+            LAMB_KERNELS.launch(
                 plan.scratch["ratio_kernel"],
                 (max(1, min(-(-table.T // warps_per_block), 4096)),),
                 (32 * warps_per_block,),
@@ -106,7 +108,7 @@ class LAMB(MultiTensorOptimizer):
                 device=table.device,
                 stream=current_stream(table.device, True),
             )
-        eng.launch_update(LAMB, plan.scratch["stage2"], table, extra=(plan.steps, ratio), **args)
+        eng.launch_update(LAMB_KERNELS, plan.scratch["stage2"], table, extra=(plan.steps, ratio), **args)
 
     def _reference(
         self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
