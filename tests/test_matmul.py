@@ -753,6 +753,38 @@ def test_gpu_large_and_odd_shapes(dtype, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_gpu_misaligned_16bit_runs_on_aligned_copies(backend, monkeypatch):
+    """Pad-and-run: a large float16 problem whose leading dimensions are odd runs on 16-byte
+    aligned copies of its operands (the TMA kernels, on compute capability 9.0): row-major,
+    transposed views (both operands), a batch; sampled rows and columns against float64."""
+    cp = pytest.importorskip("cupy") if backend == "cupy" else None
+    calls: list[tuple[int, ...]] = []
+    real = mm._pad_operand
+    monkeypatch.setattr(mm, "_pad_operand", lambda x, kind, device: calls.append(tuple(x.shape)) or real(x, kind, device))
+    rng = np.random.default_rng(3)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    cases = [
+        (_cuda((1025, 1031), torch.float16), _cuda((1031, 1027), torch.float16)),
+        (_cuda((1031, 1025), torch.float16).mT, _cuda((1027, 1031), torch.float16).mT),
+        (_cuda((2, 600, 1031), torch.float16), _cuda((1031, 903), torch.float16)),
+    ]
+    for a, b in cases:
+        calls.clear()
+        if cp is not None:
+            a, b = cp.from_dlpack(a), cp.from_dlpack(b)
+        c = cukit.matmul(a, b)
+        assert type(c) is type(a)
+        assert bool(calls) == hopper, calls
+        cn, an, bn = to_numpy(c), to_numpy(a), to_numpy(b)
+        M, N = an.shape[-2], bn.shape[-1]
+        rows, cols = rng.choice(M, 48, replace=False), rng.choice(N, 48, replace=False)
+        rows[:2], cols[:2] = (0, M - 1), (0, N - 1)
+        check_product(cn[..., rows, :][..., cols], an[..., rows, :], bn[..., cols], "float16")
+        assert np.isfinite(cn).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_gpu_k_zero_noncontiguous_and_stride_zero_batches(kernel):
     with mm.force_kernel(kernel):

@@ -517,7 +517,7 @@ class _Stage:
     def block(self, a_blk: Any, out_blk: Any) -> None:
         a_blk = self._prepare(a_blk)
         if self.to_gpu:
-            c = _matmul_gpu(a_blk, self.b, precision=self.precision)
+            c = _matmul_gpu(a_blk, self.b, precision=self.precision, pad=False)
             if self.kind == "torch":
                 out_blk.copy_(c)
             else:
@@ -527,7 +527,7 @@ class _Stage:
         elif device_of(out_blk) is None:  # torch CPU
             out_blk.copy_(reference_torch(a_blk, self.b))
         else:
-            _matmul_gpu(a_blk, self.b, precision=self.precision, out=out_blk)
+            _matmul_gpu(a_blk, self.b, precision=self.precision, out=out_blk, pad=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -853,6 +853,61 @@ def _empty_gpu(shape: tuple[int, ...], like: Any, kind: str, device: int) -> Any
         return cupy.empty(shape, dtype=like.dtype)
 
 
+# Misaligned 16-bit problems (a leading dimension or pointer that is not a multiple of 16 bytes,
+# e.g. K = 4093) of at least this many multiply-adds are repacked into 16-byte aligned copies and
+# run on the TMA kernels ("pad-and-run"): the copies cost two passes over A and B at copy
+# bandwidth (~40 us for 4097 x 4093 bf16), the staged kernel ~2-4x the aligned one's time.
+_PAD_MIN_MACS = 1 << 30
+
+
+def _pad_operand(x: Any, kind: str, device: int) -> Any:
+    """A copy of x (..., R, C) with the same values and shape whose rows start 16-byte aligned: its
+    unit-stride dimension (the last one unless x is a transposed view) padded to a multiple of 8
+    elements in a fresh allocation of the caller's library."""
+    *lead, R, C = x.shape
+    strides = _elem_strides(x, kind)
+    transposed = strides is not None and strides[-1] != 1 and strides[-2] == 1 and C > 1
+    if transposed:  # keep the layout: the copy is a transposed view too
+        buf = _empty_gpu((*lead, C, -(-R // 8) * 8), x, kind, device)
+        view = buf[..., :R]
+        view = view.mT if kind == "torch" else view.swapaxes(-1, -2)
+    else:
+        buf = _empty_gpu((*lead, R, -(-C // 8) * 8), x, kind, device)
+        view = buf[..., :C]
+    if kind == "torch":
+        view.copy_(x)
+    else:
+        view[...] = x
+    return view
+
+
+def _pad_pays(g: Gemm, mod: ModuleType, kind: str) -> bool:
+    """Whether repacking the operands moves ``g`` from the staged (misaligned) tensor-core path to
+    the TMA kernels and is worth two copies (see _PAD_MIN_MACS)."""
+    if g.dtype.name not in ("bfloat16", "float16") or not hasattr(mod, "uses_tma"):
+        return False
+    if g.M * g.N * g.K * g.batch_count < _PAD_MIN_MACS or mod.load_path(g) != 0:
+        return False
+    if not _tma_device(g):
+        return False
+    if kind == "cupy":  # no CuPy pool allocation inside a CUDA-graph capture
+        import cupy
+
+        if cupy.cuda.get_current_stream().is_capturing():
+            return False
+    return True
+
+
+def _tma_device(g: Gemm) -> bool:
+    """The TMA kernels run on compute capability 9.0 (sm_90a code)."""
+    from cukit._device import device_caps
+
+    try:
+        return device_caps(g.device).cc == 90
+    except Exception:
+        return False
+
+
 def _matmul_gpu(
     a: Any,
     b: Any,
@@ -862,6 +917,7 @@ def _matmul_gpu(
     out: Any = None,
     bias: Any = None,
     act: int = -1,
+    pad: bool = True,
 ) -> Any:
     """``act(a @ b + bias)`` on the GPU with ``numpy.matmul`` shape semantics (for tests and
     benchmarks; not public API).
@@ -870,7 +926,9 @@ def _matmul_gpu(
     promotion here). bias: None or (N,) of that dtype; act: -1 or an id of ``ACTIVATIONS``.
     kernel: None (``select_kernel``'s heuristic, or ``force_kernel``'s), "simt", "tc" or
     "simt_v1" etc. out: None, or an array of the result's shape and dtype: written directly when it
-    is contiguous and overlaps no input, else through a temporary. The result is allocated with
+    is contiguous and overlaps no input, else through a temporary. pad: large misaligned 16-bit
+    problems run on 16-byte aligned copies of the operands (see _PAD_MIN_MACS; chunked_matmul
+    turns it off to stay within its memory budget). The result is allocated with
     the caller's library on the inputs' device; the launch goes on
     ``cukit.interop.current_stream(device, torch_involved)``.
     """
@@ -919,6 +977,10 @@ def _matmul_gpu(
                 raise
             g, ka, kb = _build_gemm(a2, b2, kind, contiguous=True, **args)
             mod, g, variant = _plan(g, forced)
+        if pad and variant is None and _pad_pays(g, mod, kind):
+            g2, pa, pb = _build_gemm(_pad_operand(a2, kind, device), _pad_operand(b2, kind, device), kind, **args)
+            if mod.supports(g2) and mod.uses_tma(g2):
+                g, ka, kb = g2, pa, pb
         _launch(mod, g, current_stream(device, kind == "torch"), variant)
         del ka, kb  # the launch is enqueued: copies may go back to the pool (stream-ordered)
     if out is not None and not direct:
