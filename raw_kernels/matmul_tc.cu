@@ -127,6 +127,10 @@ __device__ __forceinline__ void sts128(u32 addr, uint4 v) {
                : "memory");
 }
 
+template <bool B> struct Fast {
+  static constexpr bool value = B;
+};
+
 // Copy `bytes` (0, or a multiple of 2 up to N) of global memory at src into N bytes of shared
 // memory at dst, zero-filling the rest. Full chunks go by cp.async. A partial or empty chunk (a
 // row's end, a row past the operand) is loaded with plain 2-byte loads and stored zero-padded:
@@ -227,12 +231,25 @@ __device__ __forceinline__ void load_tile_vec(u32 dst, const Operand& op, int kt
   const long long step = STEP * ld * G::SZ;
   const long long rows_left = op.O - o0 - row0;  // row row0 + STEP * it is valid while < rows_left
   const u32 d = dst + chunk_off<G::R>(row0, c);
+  auto copy = [&](auto fast) {
 #pragma unroll
-  for (int it = IT0; it < IT1; ++it) {
-    const bool ok = STEP * it < rows_left && vbytes > 0;
-    // STEP is a multiple of 8 (R <= 32 for 16-byte loads): every row has row0's swizzle
-    const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16 : dst + chunk_off<G::R>(row0 + STEP * it, c);
-    copy_chunk<16>(dd, src + it * step, ok ? vbytes : 0);
+    for (int it = IT0; it < IT1; ++it) {
+      // STEP is a multiple of 8 (R <= 32 for 16-byte loads): every row has row0's swizzle
+      const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16 : dst + chunk_off<G::R>(row0 + STEP * it, c);
+      if constexpr (decltype(fast)::value) {
+        cp_async16_full(dd, src + it * step);
+      } else {
+        const bool ok = STEP * it < rows_left && vbytes > 0;
+        copy_chunk<16>(dd, src + it * step, ok ? vbytes : 0);
+      }
+    }
+  };
+  // A tile inside the operand (the same for every thread: no divergence) copies every chunk
+  // whole; edge tiles check each chunk.
+  if (o0 + G::ROWS <= op.O && i0 + G::R * G::EPC <= op.I) {
+    copy(Fast<true>{});
+  } else {
+    copy(Fast<false>{});
   }
 }
 
@@ -257,13 +274,24 @@ __device__ __forceinline__ void load_tile_w4(u32 dst, const Operand& op, int kt,
   const long long step = STEP * ld * G::SZ;
   const u32 d = dst + chunk_off<G::R>(row0, c) + 4 * w;
   const long long rows_left = op.O - o0 - row0;  // rows o0 + row0 + STEP * it valid while < O
+  auto copy = [&](auto fast) {
 #pragma unroll
-  for (int it = IT0; it < IT1; ++it) {
-    const bool ok = STEP * it < rows_left && vbytes > 0;
-    // rows row0 + STEP * it share row0's swizzle when STEP is a multiple of 8
-    const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16
-                                 : dst + chunk_off<G::R>(row0 + STEP * it, c) + 4 * w;
-    copy_chunk<4>(dd, src + it * step, ok ? vbytes : 0);
+    for (int it = IT0; it < IT1; ++it) {
+      // rows row0 + STEP * it share row0's swizzle when STEP is a multiple of 8
+      const u32 dd = STEP % 8 == 0 ? d + it * STEP * G::R * 16
+                                   : dst + chunk_off<G::R>(row0 + STEP * it, c) + 4 * w;
+      if constexpr (decltype(fast)::value) {
+        cp_async4_full(dd, src + it * step);
+      } else {
+        const bool ok = STEP * it < rows_left && vbytes > 0;
+        copy_chunk<4>(dd, src + it * step, ok ? vbytes : 0);
+      }
+    }
+  };
+  if (o0 + G::ROWS <= op.O && i0 + G::R * G::EPC <= op.I) {
+    copy(Fast<true>{});
+  } else {
+    copy(Fast<false>{});
   }
 }
 
@@ -282,26 +310,33 @@ __device__ __forceinline__ void load_tile_staged(u32 dst, const Operand& op, int
   const u64 base = opaque(reinterpret_cast<u64>(op.base));
   const long long ld = opaque(op.ld);
   constexpr int TOTAL = G::ROWS * G::SR;
+  auto copy = [&](auto fast) {
 #pragma unroll
-  for (int it = IT0; it < IT1; ++it) {
-    const int q = tid + it * NT;
-    if (TOTAL % NT == 0 || q < TOTAL) {
-      const int row = q / G::SR;
-      const int j = q - row * G::SR;
-      const long long o = o0 + row;
-      int bytes = 0;
-      const char* src = op.base;
-      if (o < op.O) {
+    for (int it = IT0; it < IT1; ++it) {
+      const int q = tid + it * NT;
+      if (TOTAL % NT == 0 || q < TOTAL) {
+        const int row = q / G::SR;
+        const int j = q - row * G::SR;
+        const long long o = o0 + row;
         const u64 start = base + static_cast<u64>((o * ld + i0) * G::SZ);
-        const u64 end = base + static_cast<u64>((o * ld + op.I) * G::SZ);
         const u64 p = (start & ~static_cast<u64>(15)) + 16u * j;
-        if (p < end) {
-          bytes = end - p >= 16 ? 16 : static_cast<int>(end - p);
-          src = reinterpret_cast<const char*>(p);
+        if constexpr (decltype(fast)::value) {
+          cp_async16_full(dst + q * 16, reinterpret_cast<const char*>(p));
+        } else {
+          int bytes = 0;
+          const u64 end = base + static_cast<u64>((o * ld + op.I) * G::SZ);
+          if (o < op.O && p < end) bytes = end - p >= 16 ? 16 : static_cast<int>(end - p);
+          copy_chunk<16>(dst + q * 16, bytes > 0 ? reinterpret_cast<const char*>(p) : op.base, bytes);
         }
       }
-      copy_chunk<16>(dst + q * 16, src, bytes);
     }
+  };
+  // Inside the operand when every row's R + 1 chunks end before the row does (the last one
+  // reaches at most one chunk of elements past the tile).
+  if (o0 + G::ROWS <= op.O && i0 + (G::R + 1) * G::EPC <= op.I) {
+    copy(Fast<true>{});
+  } else {
+    copy(Fast<false>{});
   }
 }
 
@@ -801,10 +836,15 @@ __device__ __forceinline__ void load_kmajor(u32 dst, const tc::Operand& op, int 
   const long long step = 32 * ld * static_cast<long long>(sizeof(T));
   const long long rows_left = op.O - op.mn0 - row0;
   const u32 d = dst + off128(row0, c);
+  if (op.mn0 + ROWS <= op.O && static_cast<long long>(kt + 1) * BK <= op.I) {  // interior tile
 #pragma unroll
-  for (int it = 0; it < PER; ++it) {
-    const bool ok = 32 * it < rows_left && vbytes > 0;
-    tc::copy_chunk<16>(d + it * 32 * 128, src + it * step, ok ? vbytes : 0);
+    for (int it = 0; it < PER; ++it) tc::cp_async16_full(d + it * 32 * 128, src + it * step);
+  } else {
+#pragma unroll
+    for (int it = 0; it < PER; ++it) {
+      const bool ok = 32 * it < rows_left && vbytes > 0;
+      tc::copy_chunk<16>(d + it * 32 * 128, src + it * step, ok ? vbytes : 0);
+    }
   }
 }
 
