@@ -3,8 +3,10 @@ kernels, and print a side-by-side table (accuracy, loss, milliseconds per step, 
 
 The data set is scikit-learn's handwritten digits (1797 8x8 images, shipped inside the package: no
 download). Both runs start from identical weights, see the same mini-batches in the same order and
-use the same optimizer, so their loss curves must agree to rounding error: the demo checks that and
-exits with status 1 when they do not.
+use the same optimizer maths, so their loss curves must agree to rounding error: the demo checks that
+and exits with status 1 when they do not. The stock variant steps with ``torch.optim.AdamW``, the
+cukit variant with :class:`cukit.optim.AdamW` (one fused launch per step on the GPU, owning flat
+gradient storage; its plain-torch reference on the CPU), both lr 1e-3 and weight decay 1e-2.
 
 The demo is a list of experiments (:data:`EXPERIMENTS`); each is a function that takes the parsed
 options and returns rows for the table plus notes:
@@ -54,12 +56,14 @@ __all__ = [
     "Row",
     "cnn_experiment",
     "cnn_models",
+    "default_cukit_optimizer",
     "default_optimizer",
     "device_label",
     "format_table",
     "load_digits",
     "main",
     "mlp_experiment",
+    "optimizer_name",
     "resolve_device",
     "run_cnn",
     "run_mlp",
@@ -76,8 +80,38 @@ LOSS_TOLERANCE = 1e-3
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The demo's optimizer: ``torch.optim.AdamW(lr=1e-3, weight_decay=1e-2)``."""
+    """The stock variant's optimizer: ``torch.optim.AdamW(lr=1e-3, weight_decay=1e-2)``."""
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+
+
+def default_cukit_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The cukit variant's optimizer: ``cukit.optim.AdamW(lr=1e-3, weight_decay=1e-2, flat_grads=True)``,
+    the same maths as :func:`default_optimizer`. ``flat_grads``: every ``p.grad`` is a view into one
+    buffer that ``zero_grad`` clears in place, so the gradient pointers never change and the step's
+    host cost does not grow with the number of tensors (autograd accumulates into the zeroed views:
+    the same values as fresh gradients)."""
+    import cukit.optim  # here, not at the top: cukit.optim loads its kernel modules on import
+
+    return cukit.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, flat_grads=True)
+
+
+def _cukit_factory(optimizer: OptimizerFactory, cukit_optimizer: OptimizerFactory | None) -> OptimizerFactory:
+    """The cukit variant's optimizer factory: `cukit_optimizer` when given; cukit.optim.AdamW when
+    the stock side keeps the default torch.optim.AdamW; otherwise the stock side's own factory (a
+    custom optimizer is compared like for like)."""
+    if cukit_optimizer is not None:
+        return cukit_optimizer
+    return default_cukit_optimizer if optimizer is default_optimizer else optimizer
+
+
+def optimizer_name(opt: torch.optim.Optimizer) -> str:
+    """The public name of an optimizer's class: ``torch.optim.AdamW``, ``cukit.optim.AdamW``, or
+    ``module.QualName`` for others."""
+    cls = type(opt)
+    for package in ("torch.optim", "cukit.optim"):
+        if cls.__module__ == package or cls.__module__.startswith(package + "."):
+            return f"{package}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +217,7 @@ class TrainResult:
     steps_per_epoch: int
     test_accuracy: float
     warmup_steps: int
+    optimizer: str = ""  # optimizer_name() of the optimizer it trained with
 
     @property
     def final_loss(self) -> float:
@@ -258,6 +293,7 @@ def train(
         steps_per_epoch=steps_per_epoch,
         test_accuracy=accuracy,
         warmup_steps=min(warmup_steps, max(0, step - 1)),
+        optimizer=optimizer_name(opt),
     )
 
 
@@ -328,7 +364,10 @@ def train_variants(
     for v in variants:
         results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
         if log:
-            log(f"  {v.name:<6} {label}: {r.ms_per_step:.3f} ms/step, test accuracy {r.test_accuracy:.2%}")
+            log(
+                f"  {v.name:<6} {label}, {r.optimizer}: {r.ms_per_step:.3f} ms/step, "
+                f"test accuracy {r.test_accuracy:.2%}"
+            )
     diff = max(abs(a - b) for a, b in zip(results["torch"].losses, results["cukit"].losses, strict=True))
     return results, diff
 
@@ -342,6 +381,7 @@ def run_mlp(
     activation: str = "gelu",
     hidden: Sequence[int] = (256, 256),
     optimizer: OptimizerFactory = default_optimizer,
+    cukit_optimizer: OptimizerFactory | None = None,
     warmup_steps: int = 10,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -353,7 +393,9 @@ def run_mlp(
         device: "auto", "cpu", "cuda" or a torch.device.
         activation: "relu", "gelu", "gelu_tanh" or "silu".
         hidden: hidden layer widths (input 64 and output 10 are fixed by the data).
-        optimizer: builds the optimizer from a model's parameters; used for both variants.
+        optimizer: builds the stock variant's optimizer from a model's parameters.
+        cukit_optimizer: builds the cukit variant's; None: :func:`default_cukit_optimizer`
+            (cukit.optim.AdamW) when `optimizer` is the default torch.optim.AdamW, else `optimizer`.
         warmup_steps: steps left out of the timing median (on CUDA the first cukit step compiles
             its kernels).
         log: called with a progress line per variant, if given.
@@ -363,7 +405,8 @@ def run_mlp(
         "steps", "n_train", "n_test", "sizes", "loss_max_abs_diff", "loss_tolerance", "losses_agree",
         "variants": {"torch": {...}, "cukit": {...}}}``, each variant with "test_accuracy",
         "final_loss" (mean over the last epoch), "ms_per_step" (median), "speedup" (torch's
-        ms/step over this variant's), "losses" (per step) and "description".
+        ms/step over this variant's), "losses" (per step), "description" and "optimizer" (e.g.
+        "cukit.optim.AdamW").
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
@@ -376,7 +419,12 @@ def run_mlp(
     arch = "-".join(map(str, sizes))
     variants = [
         Variant("torch", f"nn.Linear + F.{activation}", stock, optimizer),
-        Variant("cukit", "nn.Linear(bias=False) + cukit.nn.BiasAct", fused, optimizer),
+        Variant(
+            "cukit",
+            "nn.Linear(bias=False) + cukit.nn.BiasAct",
+            fused,
+            _cukit_factory(optimizer, cukit_optimizer),
+        ),
     ]
     results, diff = train_variants(
         variants, data, epoch_orders(data.x_train.shape[0], epochs, seed), f"{arch} MLP, {epochs} epochs",
@@ -404,6 +452,7 @@ def run_mlp(
                 "ms_per_step": results[v.name].ms_per_step,
                 "speedup": base.ms_per_step / results[v.name].ms_per_step,
                 "losses": results[v.name].losses,
+                "optimizer": results[v.name].optimizer,
             }
             for v in variants
         },
@@ -554,6 +603,7 @@ def run_cnn(
     activation: str = "gelu",
     channels: Sequence[int] = (16, 32),
     optimizer: OptimizerFactory = default_optimizer,
+    cukit_optimizer: OptimizerFactory | None = None,
     warmup_steps: int = 10,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -563,7 +613,7 @@ def run_cnn(
 
     Both variants train in IEEE float32 (TF32 off for torch's convolutions and matmuls while they
     train; cukit.matmul's default precision is "ieee"). On the CPU cukit.matmul runs its torch
-    fallback. Raises RuntimeError when cukit.matmul or cukit.nn.Linear is not available.
+    fallback. `optimizer` and `cukit_optimizer` as in :func:`run_mlp`. Raises RuntimeError when cukit.matmul or cukit.nn.Linear is not available.
     """
     why = matmul_missing()
     if why:
@@ -580,7 +630,12 @@ def run_cnn(
     arch = "-".join(f"conv{c}" for c in channels) + "-fc10"
     variants = [
         Variant("torch", f"nn.Conv2d + F.{activation} + nn.Linear", stock, optimizer),
-        Variant("cukit", "unfold + cukit.matmul + cukit.bias_act, cukit.nn.Linear", fused, optimizer),
+        Variant(
+            "cukit",
+            "unfold + cukit.matmul + cukit.bias_act, cukit.nn.Linear",
+            fused,
+            _cukit_factory(optimizer, cukit_optimizer),
+        ),
     ]
     with _ieee_float32():
         results, diff = train_variants(
@@ -610,6 +665,7 @@ def run_cnn(
                 "ms_per_step": results[v.name].ms_per_step,
                 "speedup": base.ms_per_step / results[v.name].ms_per_step,
                 "losses": results[v.name].losses,
+                "optimizer": results[v.name].optimizer,
             }
             for v in variants
         },
@@ -644,6 +700,7 @@ class Row:
     final_loss: float
     ms_per_step: float
     speedup: float  # baseline ms/step over this row's; 1.0 for the baseline itself
+    optimizer: str = ""  # e.g. "cukit.optim.AdamW"
 
 
 @dataclass
@@ -665,7 +722,16 @@ Experiment = Callable[[DemoOptions], ExperimentResult]
 def _rows_and_agreement(experiment: str, r: dict[str, Any], extra: str = "") -> tuple[list[Row], list[str]]:
     """The table rows of a two-variant run (see :func:`train_variants`) and its loss-agreement note."""
     rows = [
-        Row(experiment, name, v["description"], v["test_accuracy"], v["final_loss"], v["ms_per_step"], v["speedup"])
+        Row(
+            experiment,
+            name,
+            v["description"],
+            v["test_accuracy"],
+            v["final_loss"],
+            v["ms_per_step"],
+            v["speedup"],
+            v.get("optimizer", ""),
+        )
         for name, v in r["variants"].items()
     ]
     verdict = "yes" if r["losses_agree"] else "NO"
@@ -724,12 +790,13 @@ EXPERIMENTS: dict[str, Experiment] = {"mlp": mlp_experiment, "cnn": cnn_experime
 
 def format_table(rows: Sequence[Row]) -> str:
     """The comparison table as text: one line per row, columns aligned."""
-    header = ("experiment", "variant", "model", "test acc", "train loss", "ms/step", "vs torch")
+    header = ("experiment", "variant", "model", "optimizer", "test acc", "train loss", "ms/step", "vs torch")
     lines = [
         (
             r.experiment,
             r.variant,
             r.description,
+            r.optimizer,
             f"{r.test_accuracy:.2%}",
             f"{r.final_loss:.4f}",
             f"{r.ms_per_step:.3f}",
@@ -738,7 +805,7 @@ def format_table(rows: Sequence[Row]) -> str:
         for r in rows
     ]
     widths = [max(len(c[i]) for c in [header, *lines]) for i in range(len(header))]
-    left = 3  # text columns are left-aligned, numbers right-aligned
+    left = 4  # text columns are left-aligned, numbers right-aligned
 
     def fmt(cells: Sequence[str]) -> str:
         return "  ".join(
@@ -820,9 +887,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for note in r.notes:
             out(note)
-    out("vs torch: torch's median ms/step divided by this row's (> 1: faster); warm-up steps excluded.")
+    out("vs torch: torch's median ms/step divided by this row's (> 1: faster); warm-up steps excluded;")
+    out("ms/step is the whole training step, the optimizer's included.")
     if device.type == "cpu":
-        out("On the CPU cukit runs its torch reference (no GPU): the fused kernels need --device cuda.")
+        out(
+            "On the CPU cukit (its ops and cukit.optim) runs its torch reference (no GPU): the fused kernels "
+            "need --device cuda."
+        )
     return 0 if all(r.ok for r in results) else 1
 
 

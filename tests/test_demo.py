@@ -1,5 +1,6 @@
-"""`cukit demo`: the digits MLP trained with stock torch and with cukit.nn.BiasAct (CPU here; the
-GPU run is `make gpu-check`'s business). A few epochs only: these check the plumbing and that the
+"""`cukit demo`: the digits MLP trained with stock torch and with cukit.nn.BiasAct, the stock side
+stepping with torch.optim.AdamW and the cukit side with cukit.optim.AdamW (CPU here; the GPU tests
+are marked `gpu` and run under `make gpu-check`). A few epochs only: these check the plumbing and that the
 two variants compute the same thing, not how fast either is."""
 
 from __future__ import annotations
@@ -43,6 +44,51 @@ def test_run_mlp_learns_and_variants_agree(mlp_cpu: dict) -> None:
     assert r["losses_agree"]
     t, c = r["variants"]["torch"], r["variants"]["cukit"]
     assert abs(t["test_accuracy"] - c["test_accuracy"]) <= 1 / r["n_test"] + 1e-9
+    assert t["optimizer"] == "torch.optim.AdamW" and c["optimizer"] == "cukit.optim.AdamW"
+
+
+def test_cukit_variant_steps_with_cukit_optim_adamw() -> None:
+    """The default pairing: torch.optim.AdamW for the stock model, cukit.optim.AdamW (same lr and
+    weight decay, flat gradients) for the cukit model; the gradients stay views of its buffer."""
+    built: list[torch.optim.Optimizer] = []
+
+    def record(factory):  # type: ignore[no-untyped-def]
+        def make(params):  # type: ignore[no-untyped-def]
+            built.append(factory(params))
+            return built[-1]
+
+        return make
+
+    r = demo.run_mlp(
+        epochs=1,
+        device="cpu",
+        hidden=(32,),
+        optimizer=record(demo.default_optimizer),
+        cukit_optimizer=record(demo.default_cukit_optimizer),
+    )
+    stock, fused = built
+    assert type(stock) is torch.optim.AdamW and type(fused) is cukit.optim.AdamW
+    for key in ("lr", "weight_decay", "betas", "eps"):
+        assert stock.param_groups[0][key] == fused.param_groups[0][key], key
+    assert fused.state and all(int(s["step"]) == r["steps"] for s in fused.state.values())
+    (buffer,) = fused._flat_buffers
+    for p in fused.param_groups[0]["params"]:
+        assert p.grad is not None
+        assert p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert r["loss_max_abs_diff"] < 1e-4
+
+
+def test_explicit_cukit_optimizer_is_used() -> None:
+    def sgd(params):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(params, lr=0.05)
+
+    def cukit_sgd(params):  # type: ignore[no-untyped-def]
+        return cukit.optim.SGD(params, lr=0.05)
+
+    r = demo.run_mlp(epochs=1, device="cpu", hidden=(32,), optimizer=sgd, cukit_optimizer=cukit_sgd)
+    assert r["variants"]["torch"]["optimizer"] == "torch.optim.SGD"
+    assert r["variants"]["cukit"]["optimizer"] == "cukit.optim.SGD"
+    assert r["loss_max_abs_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "silu"])
@@ -76,7 +122,7 @@ def test_optimizer_is_one_argument() -> None:
         return opt
 
     r = demo.run_mlp(epochs=1, device="cpu", hidden=(32,), optimizer=sgd)
-    assert built == [torch.optim.SGD, torch.optim.SGD]  # one per variant
+    assert built == [torch.optim.SGD, torch.optim.SGD]  # one per variant: a custom optimizer is used on both
     assert r["loss_max_abs_diff"] < 1e-4
 
 
@@ -95,6 +141,7 @@ def test_main_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "loss curves agree: yes" in out
     table = [line for line in out.splitlines() if line.startswith("mlp ")]
     assert [line.split()[1] for line in table] == ["torch", "cukit"]
+    assert "torch.optim.AdamW" in table[0] and "cukit.optim.AdamW" in table[1]
 
 
 def test_main_quiet(capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,6 +178,23 @@ def test_device_cuda_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 def test_auto_device_is_cpu_without_gpu() -> None:
     expected = "cuda" if torch_cuda() else "cpu"
     assert demo.resolve_device("auto").type == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch_cuda(), reason="needs a CUDA GPU visible to torch and CuPy")
+@pytest.mark.parametrize("experiment", ["mlp", "cnn"])
+def test_demo_on_cuda_agrees_with_cukit_optim_kernels(experiment: str) -> None:
+    """On the GPU the cukit variant's step is cukit.optim.AdamW's fused kernel (flat gradients):
+    its loss curve must still follow torch.optim.AdamW's within the demo's tolerance."""
+    if experiment == "cnn" and demo.matmul_missing() is not None:
+        pytest.skip(f"cnn experiment: {demo.matmul_missing()}")
+    run = demo.run_mlp if experiment == "mlp" else demo.run_cnn
+    r = run(epochs=2, device="cuda", seed=0)
+    assert r["torch_device"].startswith("cuda")
+    assert r["variants"]["cukit"]["optimizer"] == "cukit.optim.AdamW"
+    assert r["losses_agree"], r["loss_max_abs_diff"]
+    for v in r["variants"].values():
+        assert v["test_accuracy"] > 0.8 and v["losses"][-1] < v["losses"][0]
 
 
 # ---------------------------------------------------------------------------------------------
