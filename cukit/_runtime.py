@@ -44,7 +44,8 @@ __all__ = [
 ]
 
 # Modules that declare kernels; `all_modules()` imports them so the registry is complete.
-_KERNEL_OWNERS = ("cukit.ops.bias_act", "cukit.ops.matmul_simt", "cukit.ops.matmul_tc", "cukit.optim._kernels")
+_KERNEL_OWNERS = ("cukit.ops.bias_act", "cukit.ops.matmul_simt", "cukit.ops.matmul_tc", "cukit.ops.repack",
+                  "cukit.optim._kernels")
 
 # Options shared by the CuPy path and the offline path. CuPy adds -ftz=true itself; the offline
 # compiler adds it too, so both compile the same code.

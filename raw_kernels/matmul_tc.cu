@@ -359,19 +359,6 @@ __device__ __forceinline__ void load_part(u32 dst, const Operand& opa, const Ope
   }
 }
 
-// Bytes [s, s + 16) of the 32 bytes lo:hi (s < 16, even).
-__device__ __forceinline__ uint4 funnel(uint4 lo, uint4 hi, u32 s) {
-  const u32 x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  u32 t[7], u[5];
-#pragma unroll
-  for (int i = 0; i < 7; ++i) t[i] = (s & 4) ? x[i + 1] : x[i];
-#pragma unroll
-  for (int i = 0; i < 5; ++i) u[i] = (s & 8) ? t[i + 2] : t[i];
-  const u32 sh = (s & 2) << 3;  // 0 or 16 bits
-  return make_uint4(__funnelshift_r(u[0], u[1], sh), __funnelshift_r(u[1], u[2], sh),
-                    __funnelshift_r(u[2], u[3], sh), __funnelshift_r(u[3], u[4], sh));
-}
-
 // VEC = 0, step 2: shift each row of the staged k-tile kt into its swizzled place at dst.
 template <typename T, bool KMAJ, int MN, int IT0, int IT1, bool SW128 = false>
 __device__ __forceinline__ void shift_tile(u32 dst, u32 stg, const Operand& op, int kt, int tid_) {
@@ -388,7 +375,7 @@ __device__ __forceinline__ void shift_tile(u32 dst, u32 stg, const Operand& op, 
     const u32 o = static_cast<u32>(o0) + row;  // only the low bits matter
     const u32 s = (base + (o * ld + static_cast<u32>(i0)) * G::SZ) & 15u;
     const u32 src = stg + (row * G::SR + c) * 16;
-    const uint4 v = funnel(lds128(src), lds128(src + 16), s);
+    const uint4 v = funnel16(lds128(src), lds128(src + 16), s);
     // SW128: wgmma's 128-byte swizzle (K-major rows of 128 bytes, chunk ^ row % 8)
     sts128(dst + (SW128 ? static_cast<u32>(row * 128 + ((c ^ (row & 7)) << 4)) : chunk_off<G::R>(row, c)), v);
   }

@@ -861,24 +861,17 @@ _PAD_MIN_MACS = 1 << 30
 
 
 def _pad_operand(x: Any, kind: str, device: int) -> Any:
-    """A copy of x (..., R, C) with the same values and shape whose rows start 16-byte aligned: its
-    unit-stride dimension (the last one unless x is a transposed view) padded to a multiple of 8
-    elements in a fresh allocation of the caller's library."""
-    *lead, R, C = x.shape
+    """A copy of x (..., R, C) with the same values and shape whose rows start 16-byte aligned
+    (cukit.ops.repack): the unit-stride dimension (the last one unless x is a transposed view)
+    padded to a multiple of 8 elements, the layout kept."""
+    from cukit.ops.repack import aligned_copy
+
     strides = _elem_strides(x, kind)
-    transposed = strides is not None and strides[-1] != 1 and strides[-2] == 1 and C > 1
-    if transposed:  # keep the layout: the copy is a transposed view too
-        buf = _empty_gpu((*lead, C, -(-R // 8) * 8), x, kind, device)
-        view = buf[..., :R]
-        view = view.mT if kind == "torch" else view.swapaxes(-1, -2)
-    else:
-        buf = _empty_gpu((*lead, R, -(-C // 8) * 8), x, kind, device)
-        view = buf[..., :C]
-    if kind == "torch":
-        view.copy_(x)
-    else:
-        view[...] = x
-    return view
+    if strides is not None and strides[-1] != 1 and strides[-2] == 1 and x.shape[-1] > 1:
+        xt = x.mT if kind == "torch" else x.swapaxes(-1, -2)
+        y = aligned_copy(xt)
+        return y.mT if kind == "torch" else y.swapaxes(-1, -2)
+    return aligned_copy(x)
 
 
 def _pad_pays(g: Gemm, mod: ModuleType, kind: str) -> bool:

@@ -16,4 +16,18 @@ template <typename T, int N> __device__ __forceinline__ void store_vec(T* __rest
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// Bytes [s, s + 16) of the 32 bytes lo:hi (s < 16, even): an unaligned 16-byte window from two
+// aligned 16-byte loads.
+__device__ __forceinline__ uint4 funnel16(uint4 lo, uint4 hi, unsigned int s) {
+  const unsigned int x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  unsigned int t[7], u[5];
+#pragma unroll
+  for (int i = 0; i < 7; ++i) t[i] = (s & 4) ? x[i + 1] : x[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) u[i] = (s & 8) ? t[i + 2] : t[i];
+  const unsigned int sh = (s & 2) << 3;  // 0 or 16 bits
+  return make_uint4(__funnelshift_r(u[0], u[1], sh), __funnelshift_r(u[1], u[2], sh),
+                    __funnelshift_r(u[2], u[3], sh), __funnelshift_r(u[3], u[4], sh));
+}
+
 }  // namespace cukit
