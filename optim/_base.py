@@ -95,7 +95,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._key: tuple[int, ...] | None = None
         self._plans: list[_Plan] = []
-        self._norm: dict[str, Any] | None = None
+        self._norm: dict[int, dict[str, Any]] | None = None  # clipping: prepared norms by device
         self._flat_buffers: list[Tensor] = []
         self._sentinels: list[tuple[Tensor, Tensor]] = []
         self._pending_counts = False
@@ -169,8 +169,10 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter with a gradient. Reads ``self.grad_scale`` and
-        ``self.found_inf`` when torch.amp.GradScaler sets them: the gradients are unscaled in the
-        kernel and, when found_inf != 0, nothing changes (no host sync)."""
+        ``self.found_inf`` when torch.amp.GradScaler sets them (``_step_supports_amp_scaling``): the
+        gradients are unscaled in the kernel and, when found_inf != 0, nothing changes (no host
+        sync). Both may live on another device than some parameters (GradScaler keeps them on its
+        own device): each device's launches read a copy made on that device for this step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -182,9 +184,11 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if self._plans[0].table is None:
             self._reference_step(grad_scale, found_inf)
             return loss
-        gmul = self._clip_coefficient(grad_scale) if self._max_grad_norm is not None else None
-        common: dict[str, Any] = {"grad_div": grad_scale, "grad_mul": gmul, "skip": found_inf}
+        scale_on, inf_on = _OnDevice(grad_scale), _OnDevice(found_inf)
+        gmuls = self._clip_coefficients(scale_on) if self._max_grad_norm is not None else {}
         for plan in self._plans:
+            dev = plan.table.device  # type: ignore[union-attr]
+            common = {"grad_div": scale_on.get(dev), "grad_mul": gmuls.get(dev), "skip": inf_on.get(dev)}
             self._launch(plan, common)
         if self._pending_counts and found_inf is None:
             self._pending_counts = False  # every momentum buffer now exists (nothing was skipped)
@@ -385,14 +389,32 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 )
 
     # ---------------------------------------------------------------- clipping
-    def _clip_coefficient(self, grad_scale: Tensor | None) -> Tensor:
-        """The clipping coefficient min(1, max_norm / (||g / grad_scale|| + 1e-6)) on the device."""
+    def _clip_coefficients(self, grad_scale: _OnDevice) -> dict[int, Tensor]:
+        """The clipping coefficient ``min(1, max_norm / (||g / grad_scale|| + 1e-6))`` over every
+        gradient, as a float32 0-dim tensor on each device that has parameters (no host sync).
+
+        One device: the norm kernels' finalize computes it. Several: each device's norm, combined
+        in float64 on the first device, and the coefficient copied to the others."""
         from cukit.optim import utils
 
         if self._norm is None:
-            grads = [g for plan in self._plans for g in plan.grads]
-            self._norm = utils.prepare_norm(grads)
-        return utils.run_norm(self._norm, grad_div=grad_scale, max_norm=self._max_grad_norm)["coef"]
+            by: dict[int, list[Tensor]] = {}
+            for plan in self._plans:
+                by.setdefault(plan.table.device, []).extend(plan.grads)  # type: ignore[union-attr]
+            self._norm = {d: utils.prepare_norm(gs) for d, gs in by.items()}
+        max_norm = self._max_grad_norm
+        if len(self._norm) == 1:
+            ((d, prep),) = self._norm.items()
+            return {d: utils.run_norm(prep, grad_div=grad_scale.get(d), max_norm=max_norm)["coef"]}
+        first = next(iter(self._norm))
+        home = torch.device("cuda", first)
+        norms = [
+            utils.run_norm(prep, grad_div=grad_scale.get(d))["norm"].to(home, non_blocking=True)
+            for d, prep in self._norm.items()
+        ]
+        total = torch.stack(norms).double().square().sum().sqrt().float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # type: ignore[operator]
+        return {d: coef if d == first else coef.to(torch.device("cuda", d), non_blocking=True) for d in self._norm}
 
     # ---------------------------------------------------------------- reference path
     def _reference_step(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
@@ -432,6 +454,32 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 sub.scratch["fresh"] = plan.scratch["fresh"][sel] if sel else plan.scratch["fresh"][:0]
                 self._reference(self.param_groups[gi], sub, [steps[i] for i in sel] if steps else [], gmul)
             plan.scratch["fresh"] = torch.zeros_like(plan.scratch["fresh"])
+
+
+class _OnDevice:
+    """GradScaler's ``grad_scale`` or ``found_inf`` (a float32 scalar tensor on the scaler's device,
+    or None) as seen by the launches on each CUDA device: the tensor itself on its own device, else
+    one copy per device and step, queued on the stream (``non_blocking``: no host sync). A kernel
+    must not dereference a pointer into another GPU's memory; torch's fused optimizers make the same
+    per-device copies. Not cached across steps: GradScaler updates the values in place."""
+
+    __slots__ = ("copies", "t")
+
+    def __init__(self, t: Tensor | float | None) -> None:
+        if t is not None and not isinstance(t, Tensor):
+            t = torch.tensor(float(t), dtype=torch.float32)
+        self.t = t
+        self.copies: dict[int, Tensor] = {}
+
+    def get(self, device: int) -> Tensor | None:
+        t = self.t
+        if t is None:
+            return None
+        c = self.copies.get(device)
+        if c is None:
+            c = t.to(device=torch.device("cuda", device), dtype=torch.float32, non_blocking=True)
+            self.copies[device] = c
+        return c
 
 
 def _gather_steps(steps: list[Tensor], device: torch.device) -> Tensor:
