@@ -1132,11 +1132,86 @@ __device__ __forceinline__ void tile_coords(long long t, int tiles_m, int tiles_
   tn = (r % group) / gsz;
 }
 
+
+// Epilogue through shared memory: the warpgroup's 64 x 256 accumulators go out in two halves of
+// 64 x 128. Each half: bias + activation, converted to T and written to the warpgroup's staging
+// buffer (fragment layout), a warpgroup barrier, then written to C row by row: 16-byte vector
+// stores when C's rows are 16-byte aligned, else 2-byte stores of 64 contiguous bytes per
+// instruction. Storing the fragments directly touches 8 rows per instruction in 8- or 16-byte
+// pieces (partial sectors; 2-byte pieces when N is odd).
+constexpr int OUT_ROW = 128 * 2 + 8;   // staging row stride (bytes): fragment writes 2-way conflicted at most
+constexpr int OUT_BYTES = 64 * OUT_ROW;  // one warpgroup's staging buffer
+
+template <typename T> __device__ __forceinline__ u32 bits16(T v) {
+  return static_cast<u32>(*reinterpret_cast<const unsigned short*>(&v));
+}
+__device__ __forceinline__ void wg_bar(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+
+template <typename T, int ACT>
+__device__ __forceinline__ void store_tile_staged(const float (&d)[128], u32 stg, T* Cz, const T* bias, long long M,
+                                                  long long N, long long r0, long long n0, int wg, int warp,
+                                                  int lane) {
+  const int g = lane >> 2, t = lane & 3, w = warp & 3;
+  const bool vec = (N % 8 == 0) && (reinterpret_cast<u64>(Cz) % 16 == 0);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int ii = half * 16 + i;  // n8 block of the 256 columns
+      const long long col = n0 + 8 * ii + 2 * t;
+      const float b0 = (bias != nullptr && col < N) ? to_acc<float>(bias[col]) : 0.0f;
+      const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const T v0 = from_acc<T>(epilogue<ACT, float>(d[4 * ii + 2 * h], b0));
+        const T v1 = from_acc<T>(epilogue<ACT, float>(d[4 * ii + 2 * h + 1], b1));
+        tc::sts32(stg + (w * 16 + g + 8 * h) * OUT_ROW + (8 * i + 2 * t) * 2, bits16(v0) | (bits16(v1) << 16));
+      }
+    }
+    wg_bar(wg);
+    const long long c0 = n0 + 128 * half;
+    if (vec) {  // 2 rows of 16 chunks per instruction
+#pragma unroll
+      for (int it = 0; it < 8; ++it) {
+        const int lr = w * 16 + 2 * it + (lane >> 4), ch = lane & 15;
+        const long long row = r0 + lr, col = c0 + 8 * ch;
+        if (row < M && col < N) {
+          const u32 a = stg + lr * OUT_ROW + ch * 16;
+          uint2 lo, hi;
+          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(lo.x), "=r"(lo.y) : "r"(a));
+          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(hi.x), "=r"(hi.y) : "r"(a + 8));
+          *reinterpret_cast<uint4*>(Cz + row * N + col) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+      }
+    } else {  // one row of 32 elements per instruction
+      unsigned short* C16 = reinterpret_cast<unsigned short*>(Cz);
+      for (int lr = w * 16; lr < w * 16 + 16; ++lr) {
+        const long long row = r0 + lr;
+        if (row >= M) break;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int lc = 32 * k + lane;
+          const long long col = c0 + lc;
+          if (col < N) {
+            unsigned short v;
+            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(stg + lr * OUT_ROW + lc * 2));
+            C16[row * N + col] = v;
+          }
+        }
+      }
+    }
+    wg_bar(wg);  // the buffer is rewritten by the next half (or tile)
+  }
+}
+
 }  // namespace tma
 
 // A K-major: A[z] is row-major (M x K); else A[z]^T is (K x M row-major). B K-major: B[z]^T is
 // row-major (N x K); else B[z] is row-major (K x N). C[z] = act(A[z] B[z] + bias), contiguous.
-// Launch: 288 threads, grid <= number of SMs, dynamic shared memory 4 * 48 KiB + 1 KiB.
+// Launch: 288 threads, grid <= number of SMs, dynamic shared memory 4 * 48 KiB + 2 * 16.5 KiB
+// (epilogue staging) + 64 bytes (mbarriers) + 1 KiB (alignment).
 template <typename T, int ACT, int A_K, int B_K>
 __global__ void __launch_bounds__(tma::THREADS, 1)
     matmul_tc_tma(const __grid_constant__ tma::Map map_a, const __grid_constant__ tma::Map map_b,
@@ -1146,7 +1221,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   constexpr int BKE = tc::KB / static_cast<int>(sizeof(T));  // 64 elements of K per k-tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 smem = (static_cast<u32>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  const u32 full = smem + S * STAGE, empty = full + 8 * S;
+  const u32 out = smem + S * STAGE, full = out + 2 * OUT_BYTES, empty = full + 8 * S;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int tiles_m = static_cast<int>((M + tc::BM - 1) / tc::BM);
@@ -1227,8 +1302,8 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
     }
     tcw::wg_wait<0>(d);
     if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
-    tcw::store_tile<T, ACT>(d, C + static_cast<long long>(z) * M * N, bias, M, N,
-                            static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * tc::BN, warp,
-                            lane);
+    store_tile_staged<T, ACT>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * M * N, bias, M, N,
+                              static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * tc::BN, wg,
+                              warp, lane);
   }
 }

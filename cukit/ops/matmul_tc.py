@@ -109,7 +109,7 @@ def tma_name(dtype: str, act: int, a_k: bool, b_k: bool) -> str:
 # map_a, map_b (CUtensorMap by value), C, bias, M, N, K, batch
 TMA_SIGNATURE = "b128 b128 ptr ptr i64 i64 i64 i64"
 TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
-TMA_SMEM = 4 * STAGE + 1024 + 64  # 4 stages, 1 KiB to align them, 8 mbarriers
+TMA_SMEM = 4 * STAGE + 2 * 64 * 264 + 64 + 1024  # ring, 2 epilogue staging buffers, 8 mbarriers, alignment
 
 # The sm_90a kernels (Hopper's warpgroup MMA): per (dtype, activation) one group of the cp.async
 # wgmma kernels (K-major A and B, both load paths) and one of the TMA kernels (4 layouts).
