@@ -3,7 +3,9 @@ the caller owns, like ``torch.optim.adamw.adamw``. A thin layer over the optimiz
 lists are adopted as the state of a cached optimizer keyed by their pointers, so a loop that calls
 the same function on the same tensors builds the device tables once.
 
-Step counts (``state_steps``) are float32 0-dim tensors, incremented in place (as torch's).
+Step counts (``state_steps``) are float32 0-dim tensors (or CuPy arrays), incremented in place (as
+torch's). CuPy arrays are viewed as torch tensors (DLPack, zero copy) and updated in place; the step
+then runs on CuPy's current stream, so it is ordered with the caller's CuPy work.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from cukit.optim.utils import is_cupy, on_cupy_stream
 
 import cukit
 
@@ -30,7 +33,7 @@ def _torch_list(xs: Sequence[Any] | None, what: str) -> list[Tensor] | None:
     for i, x in enumerate(xs):
         if isinstance(x, Tensor):
             out.append(x)
-        elif type(x).__module__.startswith("cupy"):
+        elif is_cupy(x):
             out.append(cukit.to_torch(x))
         else:
             raise TypeError(f"{what}[{i}] must be a torch.Tensor or cupy.ndarray; got {type(x).__qualname__}")
@@ -46,8 +49,23 @@ def _run(
     hyper: dict[str, Any],
     opts: dict[str, Any],
 ) -> None:
+    everything = [*params, *grads, *(x for v in states.values() if v is not None for x in v), *(steps or ())]
+    with on_cupy_stream(everything):
+        _step(cls, params, grads, states, steps, hyper, opts)
+
+
+def _step(
+    cls: type,
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    states: dict[str, Sequence[Any] | None],
+    steps_in: Sequence[Any] | None,
+    hyper: dict[str, Any],
+    opts: dict[str, Any],
+) -> None:
     ps = _torch_list(params, "params")
     gs = _torch_list(grads, "grads")
+    steps = _torch_list(steps_in, "state_steps")
     assert ps is not None and gs is not None
     if len(ps) != len(gs):
         raise ValueError(f"params and grads must have the same length; got {len(ps)} and {len(gs)}")
@@ -106,7 +124,7 @@ def adam(
     grads: Sequence[Any],
     exp_avgs: Sequence[Any],
     exp_avg_sqs: Sequence[Any],
-    state_steps: Sequence[Tensor],
+    state_steps: Sequence[Any],
     *,
     max_exp_avg_sqs: Sequence[Any] | None = None,
     lr: float = 1e-3,
@@ -147,7 +165,7 @@ def adamw(
     grads: Sequence[Any],
     exp_avgs: Sequence[Any],
     exp_avg_sqs: Sequence[Any],
-    state_steps: Sequence[Tensor],
+    state_steps: Sequence[Any],
     *,
     max_exp_avg_sqs: Sequence[Any] | None = None,
     lr: float = 1e-3,
@@ -256,7 +274,7 @@ def adagrad(
     params: Sequence[Any],
     grads: Sequence[Any],
     state_sums: Sequence[Any],
-    state_steps: Sequence[Tensor],
+    state_steps: Sequence[Any],
     *,
     lr: float = 1e-2,
     lr_decay: float = 0.0,
@@ -287,7 +305,7 @@ def lamb(
     grads: Sequence[Any],
     exp_avgs: Sequence[Any],
     exp_avg_sqs: Sequence[Any],
-    state_steps: Sequence[Tensor],
+    state_steps: Sequence[Any],
     *,
     lr: float = 1e-3,
     beta1: float = 0.9,

@@ -1,12 +1,17 @@
 """Multi-tensor utilities: global and per-tensor L2 norms, clip_grad_norm_, a GPU-side
 non-finite flag. One pass over every tensor (kernels: raw_kernels/multi_tensor_l2norm.cu), no
 host sync; tensor tables are cached by the tensors' pointers, so a training loop builds them once.
+
+CuPy arrays are viewed as torch tensors (DLPack, zero copy) and the work runs on CuPy's current
+stream (:func:`on_cupy_stream`), so it is ordered with the caller's CuPy work on both sides; the
+results come back as CuPy arrays when every input was one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,12 +21,62 @@ from cukit.optim._kernels import L2NORM
 import cukit
 from cukit.interop import DTYPES, current_stream
 
-__all__ = ["clip_grad_norm_", "multi_tensor_l2norm", "nonfinite_flag", "reference_l2norm"]
+__all__ = [
+    "clip_grad_norm_",
+    "is_cupy",
+    "multi_tensor_l2norm",
+    "nonfinite_flag",
+    "on_cupy_stream",
+    "reference_l2norm",
+]
 
 Tensor = torch.Tensor
 _CACHE: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
 _CACHE_SIZE = 8
 _NORM_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_TORCH_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def is_cupy(x: Any) -> bool:
+    """Whether `x` is a CuPy array (checked by module name: CuPy is not imported here)."""
+    return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+@contextlib.contextmanager
+def on_cupy_stream(arrays: Sequence[Any]) -> Iterator[None]:
+    """Within the block, torch's current stream is CuPy's current stream on the arrays' device
+    when any of `arrays` is a CuPy array (else nothing changes).
+
+    Why: cukit.optim launches on torch's current stream (rule 1 of DESIGN.md), and DLPack only
+    orders the hand-over of the inputs; a CuPy caller reads the results on CuPy's stream, so the
+    kernels (and torch's small ops around them) must run there too.
+    """
+    arr = next((a for a in arrays if is_cupy(a)), None)
+    if arr is None:
+        yield
+        return
+    import cupy
+
+    device = int(arr.device.id)
+    ptr = int(cupy.cuda.get_current_stream(device).ptr)
+    if ptr == torch.cuda.current_stream(device).cuda_stream:
+        yield
+        return
+    stream = _TORCH_STREAMS.get((ptr, device))
+    if stream is None:
+        # 0 is the legacy default stream, which is torch's default stream; any other pointer is
+        # wrapped once (a wrapper neither owns nor destroys the stream)
+        stream = torch.cuda.default_stream(device) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=device)
+        _TORCH_STREAMS[(ptr, device)] = stream
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _like_inputs(t: Tensor, inputs: Sequence[Any]) -> Any:
+    """`t` as a CuPy array (zero copy) when every input was one, else `t`."""
+    if inputs and all(is_cupy(x) for x in inputs):
+        return cukit.asarray(t)
+    return t
 
 
 def _as_tensors(tensors: Any, what: str) -> list[Tensor]:
@@ -30,7 +85,7 @@ def _as_tensors(tensors: Any, what: str) -> list[Tensor]:
     out: list[Tensor] = []
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
-            if type(t).__module__.startswith("cupy"):
+            if is_cupy(t):
                 t = cukit.to_torch(t)
             else:
                 raise TypeError(
@@ -90,6 +145,9 @@ def prepare_norm(tensors: Sequence[Tensor]) -> dict[str, Any]:
         "coef": torch.empty((), dtype=torch.float32, device=dev),
         "flag": torch.empty((), dtype=torch.float32, device=dev),
         "device": tables[0][2].device,
+        # where each table's per-tensor norms go in the output (built once: a host-to-device copy
+        # from pageable memory would synchronise the stream on every call)
+        "order": [torch.tensor(idx, dtype=torch.long, device=dev) for _, idx, _, _ in tables],
     }
     _CACHE[key] = prep
     if len(_CACHE) > _CACHE_SIZE:
@@ -143,18 +201,28 @@ def run_norm(
     return prep
 
 
-def multi_tensor_l2norm(tensors: Iterable[Any], per_tensor: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def multi_tensor_l2norm(tensors: Iterable[Any], per_tensor: bool = False) -> Any:
     """The global L2 norm ``sqrt(sum_i ||t_i||²)`` of a list of tensors (float32 0-dim tensor on their
     device), and with ``per_tensor=True`` also each ``||t_i||`` (float32, shape (n,)).
 
     One pass over all tensors on the GPU (squares summed in float32 per chunk, chunks in float64),
     no host sync; torch CUDA tensors or CuPy arrays, contiguous, float16/bfloat16/float32/float64,
-    size 0 allowed. Other inputs run the float64 reference.
+    size 0 allowed. Other inputs run the float64 reference. CuPy inputs: computed on CuPy's current
+    stream and returned as CuPy arrays.
 
     See also: ``torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in ts]))``,
     ``torch._foreach_norm``.
     """
-    ts = _as_tensors(tensors, "tensors")
+    inputs = [tensors] if isinstance(tensors, Tensor) or is_cupy(tensors) else list(tensors)
+    ts = _as_tensors(inputs, "tensors")
+    with on_cupy_stream(inputs):
+        out = _l2norm(ts, per_tensor)
+        if isinstance(out, tuple):
+            return tuple(_like_inputs(t, inputs) for t in out)
+        return _like_inputs(out, inputs)
+
+
+def _l2norm(ts: list[Tensor], per_tensor: bool) -> Tensor | tuple[Tensor, Tensor]:
     if not _kernels_apply(ts):
         total = reference_l2norm(ts)
         if not per_tensor:
@@ -167,7 +235,7 @@ def multi_tensor_l2norm(tensors: Iterable[Any], per_tensor: bool = False) -> Ten
         return total
     dev = ts[0].device
     per = torch.empty(len(ts), dtype=torch.float32, device=dev)
-    for _, idx, table, off in prep["tables"]:
+    for (_, idx, table, off), order in zip(prep["tables"], prep["order"], strict=True):
         out = torch.empty(len(idx), dtype=torch.float32, device=dev)
         L2NORM.launch(
             "mt_norm_per_tensor<0>",
@@ -177,7 +245,7 @@ def multi_tensor_l2norm(tensors: Iterable[Any], per_tensor: bool = False) -> Ten
             device=prep["device"],
             stream=current_stream(prep["device"], True),
         )
-        per.index_copy_(0, torch.tensor(idx, device=dev), out)
+        per.index_copy_(0, order, out)
     return total, per
 
 
@@ -185,13 +253,19 @@ def nonfinite_flag(tensors: Iterable[Any]) -> Tensor:
     """A float32 0-dim device tensor: 1.0 if any element of any tensor is inf or NaN, else 0.0,
     computed without a host sync (read it when convenient, or feed it to a step as ``found_inf``).
 
+    CuPy inputs: computed on CuPy's current stream and returned as a CuPy array.
+
     See also: ``torch._amp_foreach_non_finite_check_and_unscale_``.
     """
-    ts = _as_tensors(tensors, "tensors")
-    if not _kernels_apply(ts):
-        bad = any(bool((~torch.isfinite(t)).any()) for t in ts)
-        return torch.tensor(1.0 if bad else 0.0, device=ts[0].device if ts else None)
-    return run_norm(prepare_norm(ts))["flag"].clone()
+    inputs = [tensors] if isinstance(tensors, Tensor) or is_cupy(tensors) else list(tensors)
+    ts = _as_tensors(inputs, "tensors")
+    with on_cupy_stream(inputs):
+        if not _kernels_apply(ts):
+            bad = any(bool((~torch.isfinite(t)).any()) for t in ts)
+            flag = torch.tensor(1.0 if bad else 0.0, device=ts[0].device if ts else None)
+        else:
+            flag = run_norm(prepare_norm(ts))["flag"].clone()
+        return _like_inputs(flag, inputs)
 
 
 def clip_grad_norm_(
