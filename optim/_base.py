@@ -97,7 +97,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         self._plans: list[_Plan] = []
         self._norm: dict[int, dict[str, Any]] | None = None  # clipping: prepared norms by device
         self._flat_buffers: list[Tensor] = []
-        self._sentinels: list[tuple[Tensor, Tensor]] = []
+        self._sentinels: list[tuple[Tensor, Tensor, int, int]] = []  # (param, its grad view, their pointers)
         self._pending_counts = False
         super().__init__(params, defaults)
         self._all = [p for g in self.param_groups for p in g["params"]]
@@ -201,9 +201,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _refresh(self) -> bool:
         """Rebuild the plans if a param or grad pointer changed. False when no param has a grad."""
         if self._flat and self._key is not None:
-            self._check_flat()
-            return bool(self._plans)
+            self._check_flat()  # may rebuild the buffers, which invalidates the plans
+            if self._key is not None:
+                return bool(self._plans)
         ps = self._all
+        # Every pointer, params' too (module.to() moves a param's storage in place: p.data = ...).
+        # ~0.2-0.5 us per tensor on a CPU, bound by touching three objects per tensor (a map()
+        # over the C getters measured no faster); flat_grads makes it constant.
         grads = [p.grad for p in ps]
         key = (*map(_DATA_PTR, ps), *(-1 if g is None else g.data_ptr() for g in grads))
         if key != self._key:
@@ -377,11 +381,20 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                         view.copy_(p.grad)
                     p.grad = view
                 self._flat_buffers.append(buf)
-                self._sentinels += [(ps[0], ps[0].grad), (ps[-1], ps[-1].grad)]  # type: ignore[list-item]
+                for p in (ps[0], ps[-1]):
+                    self._sentinels.append((p, p.grad, p.data_ptr(), p.grad.data_ptr()))  # type: ignore[union-attr]
         self._invalidate()
 
     def _check_flat(self) -> None:
-        for p, view in self._sentinels:
+        """Constant-cost check of the flat gradients: the first and last parameter of each buffer.
+        Their grads must still be our views; if their storage moved (``model.to()`` assigns
+        ``p.data`` and ``p.grad.data`` of every parameter), the buffers are rebuilt around the
+        moved gradients."""
+        for p, view, pptr, gptr in self._sentinels:
+            if p.grad is view and (p.data_ptr() != pptr or view.data_ptr() != gptr):
+                self._make_flat_grads()
+                return
+        for p, view, _, _ in self._sentinels:
             if p.grad is not view:
                 raise RuntimeError(
                     "cukit.optim (flat_grads=True): a parameter's .grad is no longer the optimizer's view "

@@ -423,3 +423,33 @@ def test_closure_and_no_grads(device: str) -> None:
 
     assert math.isclose(float(opt.step(closure).detach()), 3.0)
     assert float(p.detach().sum()) > 0
+
+
+def test_flat_grads_survive_a_storage_move(device: str) -> None:
+    """model.to() assigns p.data and p.grad.data of every parameter (same objects, new storage):
+    the flat buffers are rebuilt around the moved grads, so zero_grad still clears them and the
+    steps keep matching torch (the check stays constant-cost: two sentinels per buffer)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3).to(device), torch.nn.Linear(4, 3).to(device)
+    b.load_state_dict(a.state_dict())
+    ta = torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9, foreach=False)
+    cb = co.SGD(b.parameters(), lr=0.05, momentum=0.9, flat_grads=True)
+    x = torch.randn(5, 4, device=device)
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad():
+                for p in b.parameters():  # what nn.Module._apply does, in place of a real move
+                    p.data = p.data.clone()
+                    p.grad.data = p.grad.data.clone()  # type: ignore[union-attr]
+        ta.zero_grad()
+        cb.zero_grad()
+        a(x).square().sum().backward()
+        b(x).square().sum().backward()
+        ta.step()
+        cb.step()
+        assert_params_close(list(a.parameters()), list(b.parameters()))
+    (buf,) = cb._flat_buffers
+    assert all(
+        p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # type: ignore[union-attr]
+        for p in b.parameters()
+    )
