@@ -86,6 +86,7 @@ def _step(
         tuple(sorted(opts.items())),
     )
     entry = _CACHE.get(key)
+    created = entry is None
     if entry is None:
         leaves = [
             torch.nn.Parameter(p.detach(), requires_grad=True) if p.requires_grad is False else p for p in ps
@@ -106,7 +107,9 @@ def _step(
         for k, v in st.items():
             if v is not None:
                 s[k] = v[i]
-        if steps is not None and "step" not in s:
+        # a fresh optimizer takes the caller's step counts, also where its constructor made its
+        # own (Adagrad creates state eagerly, as torch's does)
+        if steps is not None and ("step" not in s or created):
             s["step"] = steps[i]
     opt.step()
     if steps is not None:
