@@ -595,7 +595,12 @@ def select_kernel(g: Gemm) -> ModuleType:
     """The kernel family that runs ``g``: the heuristic.
 
     1. bfloat16/float16 inputs, and float32 with precision "tf32": the tensor-core family
-       (``matmul_tc``), which is what makes those precisions fast.
+       (``matmul_tc``), which is what makes those precisions fast. Within it
+       (``matmul_tc.route``): on compute capability 9.0, 16-bit problems with 16-byte aligned rows
+       run on the TMA + warp-specialised wgmma kernel (any layout); misaligned ``x @ W.T`` on the
+       cp.async wgmma kernel; everything else on mma.sync. Large misaligned 16-bit problems
+       (>= 2^30 multiply-adds) first get 16-byte aligned operand copies (``cukit.ops.repack``,
+       ~20 us per 32 MB operand) and then take the TMA kernel ("pad-and-run").
     2. float32 "ieee" and float64: the SIMT family (``matmul_simt``): tensor cores would round
        float32 inputs (tf32) and Hopper has no mma.sync path that is faster for float64.
     3. If the preferred family is not installed or its ``supports(g)`` says no (a dtype, layout,
