@@ -1,6 +1,9 @@
-// matmul_tc.cu: tensor-core GEMM, the "tc" matmul family. Two kernels:
+// matmul_tc.cu: tensor-core GEMM, the "tc" matmul family. Three kernels:
 //   matmul_tc        mma.sync + ldmatrix (sm_80+): every dtype and operand layout;
-//   matmul_tc_wgmma  Hopper's wgmma (compiled for sm_90a only): 16-bit, A and B both K-major.
+//   matmul_tc_wgmma  Hopper's wgmma fed by cp.async (sm_90a only): 16-bit, A and B both K-major,
+//                    any alignment (it runs misaligned x @ W.T);
+//   matmul_tc_tma    Hopper's wgmma fed by the TMA engine, warp-specialised, persistent (sm_90a
+//                    only): 16-bit, any layout, 16-byte aligned rows (see its section below).
 // Host side, variant choice and the Gemm contract: cukit/ops/matmul_tc.py and cukit/ops/_gemm.py.
 //
 //   C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n])

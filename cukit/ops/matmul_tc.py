@@ -6,9 +6,10 @@ epilogue ``act(acc + bias)`` in fp32.
 
 The kernel contract is :class:`cukit.ops._gemm.Gemm`: any M, N, K (K == 0: C = act(bias)), either
 operand row- or column-major (by its unit stride; no transposed copies), up to three broadcast
-batch dimensions on ``blockIdx.z``. Block tiles of 128 x 256 x 128 bytes of K, 256 threads.
+batch dimensions (``blockIdx.z``; the TMA kernel: a tensor-map dimension). Block tiles of
+128 x 256 x 128 bytes of K.
 
-Two kernel families in the one file:
+Three kernels in the one file (:func:`route` picks one):
 
 - ``matmul_tc`` (``mma.sync`` + ``ldmatrix``, sm_80+): every dtype and layout. 8 warps of 64 x 64;
   K-major tiles feed ``ldmatrix``, M/N-major ones ``ldmatrix.trans`` (fp32: 32-bit loads).
