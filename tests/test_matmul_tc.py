@@ -81,6 +81,10 @@ def test_route_declines_what_tma_cannot_take():
     assert not mt.uses_tma(_g("float32", precision="tf32"))
     mk = 256 * 128
     assert not mt.uses_tma(_g(batch=(1, 1, 4), sa_batch=(0, 0, mk), sb_batch=(0, 0, 0)))  # broadcast B
+    # pad-and-run asks whether aligned copies would help: not for these, whatever the device
+    assert not mt.tma_if_aligned(_g(K=0)) and not mt.tma_if_aligned(_g("float32", precision="tf32"))
+    assert not mt.tma_if_aligned(_g(batch=(1, 1, 4), sa_batch=(0, 0, mk), sb_batch=(0, 0, 0)))
+    assert mt.tma_if_aligned(_g(a=2)) == mt.tma_if_aligned(_g())  # alignment is the only difference
     with pytest.raises(ValueError, match="TMA kernel cannot run"):
         mt.route(_g(a=2), version="tma")
     with pytest.raises(ValueError, match="wgmma kernel cannot run"):

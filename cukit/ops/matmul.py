@@ -881,12 +881,11 @@ def _pad_operand(x: Any, kind: str, device: int) -> Any:
 
 def _pad_pays(g: Gemm, mod: ModuleType, kind: str) -> bool:
     """Whether repacking the operands moves ``g`` from the staged (misaligned) tensor-core path to
-    the TMA kernels and is worth two copies (see _PAD_MIN_MACS)."""
-    if g.dtype.name not in ("bfloat16", "float16") or not hasattr(mod, "uses_tma"):
+    the TMA kernels (the family's ``tma_if_aligned``) and is worth two copies (see _PAD_MIN_MACS)."""
+    tma_if_aligned = getattr(mod, "tma_if_aligned", None)
+    if tma_if_aligned is None or g.M * g.N * g.K * g.batch_count < _PAD_MIN_MACS:
         return False
-    if g.M * g.N * g.K * g.batch_count < _PAD_MIN_MACS or mod.load_path(g) != 0:
-        return False
-    if not _tma_device(g):
+    if mod.load_path(g) != 0 or not tma_if_aligned(g):
         return False
     if kind == "cupy":  # no CuPy pool allocation inside a CUDA-graph capture
         import cupy
@@ -894,16 +893,6 @@ def _pad_pays(g: Gemm, mod: ModuleType, kind: str) -> bool:
         if cupy.cuda.get_current_stream().is_capturing():
             return False
     return True
-
-
-def _tma_device(g: Gemm) -> bool:
-    """The TMA kernels run on compute capability 9.0 (sm_90a code)."""
-    from cukit._device import device_caps
-
-    try:
-        return device_caps(g.device).cc == 90
-    except Exception:
-        return False
 
 
 def _matmul_gpu(

@@ -55,6 +55,7 @@ __all__ = [
     "route",
     "smem_bytes",
     "supports",
+    "tma_if_aligned",
     "tma_name",
     "uses_tma",
     "uses_wgmma",
@@ -245,14 +246,12 @@ def tma_batch(g: Gemm) -> tuple[int, int, int] | None:
     return (n, sa, sb) if sa > 0 and sb > 0 else None
 
 
-def uses_tma(g: Gemm, load: int | None = None) -> bool:
-    """Whether :func:`launch` runs ``g`` on the TMA + wgmma kernels (by default): compute
-    capability 9.0, bfloat16/float16, every row start 16-byte aligned (load path 1: the copy engine
-    needs 16-byte aligned addresses and strides), K > 0, the batch as one dimension
-    (:func:`tma_batch`) and sizes within the tensor map's ranges."""
+def tma_if_aligned(g: Gemm) -> bool:
+    """Whether the TMA + wgmma kernels would run ``g`` were its rows 16-byte aligned: compute
+    capability 9.0, bfloat16/float16, K > 0, the batch as one dimension (:func:`tma_batch`) and
+    sizes within the tensor map's ranges. The matmul front end asks it before repacking misaligned
+    operands ("pad-and-run")."""
     if g.dtype.name not in ("bfloat16", "float16") or g.K <= 0:
-        return False
-    if (load_path(g) if load is None else load) != 1 or load_path(g) != 1:
         return False
     b = tma_batch(g)
     if b is None or max(g.M, g.N, g.K, b[0]) > _TMA_MAX_DIM:
@@ -265,6 +264,13 @@ def uses_tma(g: Gemm, load: int | None = None) -> bool:
     except Exception:
         return False
     return cc == 90 and optin >= TMA_SMEM
+
+
+def uses_tma(g: Gemm, load: int | None = None) -> bool:
+    """Whether :func:`launch` runs ``g`` on the TMA + wgmma kernels (by default): every row start
+    16-byte aligned (load path 1: the copy engine needs 16-byte aligned addresses and strides; a
+    forced `load` other than 1 declines) and :func:`tma_if_aligned`."""
+    return load in (None, 1) and load_path(g) == 1 and tma_if_aligned(g)
 
 
 def route(g: Gemm, load: int | None = None, version: str | None = None) -> str:
