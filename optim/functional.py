@@ -122,6 +122,34 @@ def _step(
                     opt.state[leaves[new.index(src)]]["step"] = src
 
 
+def _run_adam(
+    cls: type,
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    exp_avgs: Sequence[Any],
+    exp_avg_sqs: Sequence[Any],
+    max_exp_avg_sqs: Sequence[Any] | None,
+    state_steps: Sequence[Any],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    max_grad_norm: float | None,
+) -> None:
+    # adam and adamw differ only in the class (coupled vs decoupled weight decay) and defaults
+    _run(
+        cls,
+        params,
+        grads,
+        {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs, "max_exp_avg_sq": max_exp_avg_sqs},
+        state_steps,
+        dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize),
+        {"max_grad_norm": max_grad_norm},
+    )
+
+
 def adam(
     params: Sequence[Any],
     grads: Sequence[Any],
@@ -145,22 +173,8 @@ def adam(
     """
     from cukit.optim import Adam
 
-    _run(
-        Adam,
-        params,
-        grads,
-        {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs, "max_exp_avg_sq": max_exp_avg_sqs},
-        state_steps,
-        dict(
-            lr=lr,
-            betas=(beta1, beta2),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-        ),
-        {"max_grad_norm": max_grad_norm},
-    )
+    _run_adam(Adam, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, (beta1, beta2),
+              eps, weight_decay, amsgrad, maximize, max_grad_norm)
 
 
 def adamw(
@@ -186,22 +200,8 @@ def adamw(
     """
     from cukit.optim import AdamW
 
-    _run(
-        AdamW,
-        params,
-        grads,
-        {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs, "max_exp_avg_sq": max_exp_avg_sqs},
-        state_steps,
-        dict(
-            lr=lr,
-            betas=(beta1, beta2),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-        ),
-        {"max_grad_norm": max_grad_norm},
-    )
+    _run_adam(AdamW, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, (beta1, beta2),
+              eps, weight_decay, amsgrad, maximize, max_grad_norm)
 
 
 def sgd(
