@@ -372,6 +372,23 @@ def train_variants(
     return results, diff
 
 
+def _variant_summaries(variants: Sequence[Variant], results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each variant's row of an experiment's result (speedup against the "torch" variant)."""
+    base = results["torch"]
+    return {
+        v.name: {
+            "description": v.description,
+            "test_accuracy": results[v.name].test_accuracy,
+            "final_loss": results[v.name].final_loss,
+            "ms_per_step": results[v.name].ms_per_step,
+            "speedup": base.ms_per_step / results[v.name].ms_per_step,
+            "losses": results[v.name].losses,
+            "optimizer": results[v.name].optimizer,
+        }
+        for v in variants
+    }
+
+
 def run_mlp(
     *,
     epochs: int = 15,
@@ -444,18 +461,7 @@ def run_mlp(
         "loss_max_abs_diff": diff,
         "loss_tolerance": LOSS_TOLERANCE,
         "losses_agree": diff <= LOSS_TOLERANCE,
-        "variants": {
-            v.name: {
-                "description": v.description,
-                "test_accuracy": results[v.name].test_accuracy,
-                "final_loss": results[v.name].final_loss,
-                "ms_per_step": results[v.name].ms_per_step,
-                "speedup": base.ms_per_step / results[v.name].ms_per_step,
-                "losses": results[v.name].losses,
-                "optimizer": results[v.name].optimizer,
-            }
-            for v in variants
-        },
+        "variants": _variant_summaries(variants, results),
     }
 
 
@@ -657,18 +663,7 @@ def run_cnn(
         "loss_max_abs_diff": diff,
         "loss_tolerance": CNN_LOSS_TOLERANCE,
         "losses_agree": diff <= CNN_LOSS_TOLERANCE,
-        "variants": {
-            v.name: {
-                "description": v.description,
-                "test_accuracy": results[v.name].test_accuracy,
-                "final_loss": results[v.name].final_loss,
-                "ms_per_step": results[v.name].ms_per_step,
-                "speedup": base.ms_per_step / results[v.name].ms_per_step,
-                "losses": results[v.name].losses,
-                "optimizer": results[v.name].optimizer,
-            }
-            for v in variants
-        },
+        "variants": _variant_summaries(variants, results),
     }
 
 
