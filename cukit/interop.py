@@ -25,6 +25,7 @@ __all__ = [
     "current_stream",
     "device_of",
     "dtype_of",
+    "element_strides",
     "numpy_dtype",
     "to_torch",
     "torch_dtype",
@@ -140,6 +141,17 @@ def device_of(x: Any) -> int | None:
     if x.device.type == "cpu":
         return None
     raise TypeError(f"torch tensors on {x.device.type!r} are not supported; use CPU or CUDA tensors")
+
+
+def element_strides(x: Any, kind: str | None = None) -> tuple[int, ...] | None:
+    """An array's strides in elements (torch, CuPy, NumPy); None for negative strides or strides
+    that are not whole elements (possible in NumPy/CuPy). `kind`: ``array_kind(x)`` if known."""
+    if (kind or array_kind(x)) == "torch":
+        return tuple(x.stride())
+    isz = x.itemsize
+    if any(s < 0 or s % isz for s in x.strides):
+        return None
+    return tuple(s // isz for s in x.strides)
 
 
 def asarray(x: Any) -> Any:

@@ -141,3 +141,16 @@ def test_device_info_on_gpu():
     info = cukit.device_info()
     assert info["available"] and info["sm_count"] > 0 and info["memory_total"] > info["memory_free"] > 0
     assert "torch_allocated" in info
+
+
+def test_element_strides():
+    import numpy as np
+
+    from cukit.interop import element_strides
+
+    x = np.zeros((3, 4), np.float32)
+    assert element_strides(x) == (4, 1) and element_strides(x.T) == (1, 4)
+    assert element_strides(x[:, ::-1]) is None  # negative stride
+    assert element_strides(np.zeros(4, "f4,i1")["f0"]) is None  # 5-byte stride, 4-byte elements
+    torch = pytest.importorskip("torch")
+    assert element_strides(torch.zeros(3, 4).mT) == (1, 4)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of
+from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of, element_strides
 from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
 from cukit.ops.bias_act import ACTIVATIONS, activation_id
 from cukit.ops.bias_act import reference_numpy as _bias_act_numpy
@@ -661,17 +661,6 @@ def _ptr(x: Any, kind: str) -> int:
     return x.data_ptr() if kind == "torch" else x.data.ptr
 
 
-def _elem_strides(x: Any, kind: str) -> tuple[int, ...] | None:
-    """Strides in elements; None for CuPy strides that are negative or not whole elements."""
-    if kind == "torch":
-        return tuple(x.stride())
-    isz = x.itemsize
-    st = x.strides
-    if any(s < 0 or s % isz for s in st):
-        return None
-    return tuple(s // isz for s in st)
-
-
 def _contiguous(x: Any, kind: str) -> Any:
     if kind == "torch":
         return x.contiguous()
@@ -711,11 +700,11 @@ def _matrix_layout(r: int, c: int, sr: int, sc: int) -> tuple[int, int] | None:
 
 def _operand(x: Any, kind: str, r: int, c: int) -> tuple[Any, tuple[int, ...], tuple[int, int]]:
     """(array to read, its batch strides, its matrix strides), copying x when no layout fits."""
-    st = _elem_strides(x, kind)
+    st = element_strides(x, kind)
     lay = None if st is None else _matrix_layout(r, c, st[-2], st[-1])
     if lay is None:
         x = _contiguous(x, kind)
-        st = _elem_strides(x, kind)
+        st = element_strides(x, kind)
         assert st is not None
         lay = _matrix_layout(r, c, st[-2], st[-1])
         assert lay is not None
@@ -871,7 +860,7 @@ def _pad_operand(x: Any, kind: str, device: int) -> Any:
     padded to a multiple of 8 elements, the layout kept."""
     from cukit.ops.repack import aligned_copy
 
-    strides = _elem_strides(x, kind)
+    strides = element_strides(x, kind)
     if strides is not None and strides[-1] != 1 and strides[-2] == 1 and x.shape[-1] > 1:
         xt = x.mT if kind == "torch" else x.swapaxes(-1, -2)
         y = aligned_copy(xt)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from cukit._runtime import KernelModule
-from cukit.interop import array_kind, current_stream, device_of
+from cukit.interop import array_kind, current_stream, device_of, element_strides
 
 __all__ = ["KERNELS", "aligned_copy", "padded_width", "reference_numpy"]
 
@@ -47,15 +47,6 @@ def reference_numpy(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _strides(x: Any, kind: str) -> tuple[int, ...] | None:
-    if kind == "torch":
-        return tuple(x.stride())
-    isz = x.itemsize
-    if any(s < 0 or s % isz for s in x.strides):
-        return None
-    return tuple(s // isz for s in x.strides)
-
-
 def _one_batch_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int] | None:
     """(count, stride) of the leading dimensions as one, or None when they do not collapse."""
     dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n > 1]
@@ -73,7 +64,7 @@ def _kernel_copy(x: Any, kind: str, device: int) -> Any | None:
     """The padded buffer filled by the kernel, or None when the kernel does not apply."""
     if x.dtype.itemsize != 2 or x.ndim < 2:
         return None
-    strides = _strides(x, kind)
+    strides = element_strides(x, kind)
     *lead, r, c = x.shape
     if strides is None or (strides[-1] != 1 and c > 1):
         return None
