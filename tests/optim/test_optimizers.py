@@ -453,3 +453,32 @@ def test_flat_grads_survive_a_storage_move(device: str) -> None:
         p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # type: ignore[union-attr]
         for p in b.parameters()
     )
+
+
+def test_default_mode_follows_moved_storage(device: str) -> None:
+    """Default mode: the per-step pointer check sees a param or grad whose storage moved in place
+    (same objects, ``p.data = ...`` / ``p.grad.data = ...``, what module.to() does), and a grad set
+    to None; the tables are rebuilt and every step keeps matching torch's for-loop."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(6, 5).to(device), torch.nn.Linear(6, 5).to(device)
+    b.load_state_dict(a.state_dict())
+    ta = torch.optim.AdamW(a.parameters(), lr=0.05, foreach=False)
+    cb = co.AdamW(b.parameters(), lr=0.05)
+    x = torch.randn(7, 6, device=device)
+    for step in range(6):
+        ta.zero_grad(set_to_none=False)
+        cb.zero_grad(set_to_none=False)
+        a(x).square().sum().backward()
+        b(x).square().sum().backward()
+        wb, bb = b.weight, b.bias
+        if step == 2:
+            with torch.no_grad():
+                wb.data = wb.data.clone()  # the param moves; its grad stays
+        if step == 3:
+            bb.grad.data = bb.grad.data.clone()  # type: ignore[union-attr]  # the grad moves
+        if step == 4:
+            a.bias.grad = None
+            bb.grad = None
+        ta.step()
+        cb.step()
+        assert_params_close(list(a.parameters()), list(b.parameters()))
