@@ -6,7 +6,10 @@ Usage::
 
 Parameter sets (issue 4): GPT-2 small (148 tensors, 124M parameters) in float32 and bfloat16,
 2,000 x 4,096 and 10,000 x 256 (float32); optimizers AdamW, SGD with momentum, Lion, LAMB; plus
-AdamW with fused clipping (max_grad_norm) and GradScaler (grad_scale / found_inf) on GPT-2 float32.
+AdamW with fused clipping (max_grad_norm) and GradScaler (grad_scale / found_inf) on GPT-2 float32
+and on GPT-2 in the mixed-precision layout (float16 params and grads, float32 master weights and
+state; cukit only, torch has no master weights), each also as a multiple of the plain step's time
+(``x_plain_step``).
 Implementations, in the same run: torch for-loop (``foreach=False``), foreach, fused (where torch
 has one) and cukit (and cukit with ``flat_grads=True``). torch has no Lion or LAMB: their "torch
 for-loop" row is cukit's plain-torch reference (``optim/_reference.py``), labelled as such.
@@ -79,11 +82,12 @@ def param_set(name: str, dry: bool) -> tuple[list[tuple[int, ...]], str]:
         return {
             "gpt2-fp32": ([(64, 8), (8,), (0,)], "float32"),
             "gpt2-bf16": ([(64, 8), (8,)], "bfloat16"),
+            "gpt2-fp16-master": ([(64, 8), (8,)], "float16"),
             "2000x4096": ([(64,)] * 20, "float32"),
             "10000x256": ([(4,)] * 100, "float32"),
         }[name]
     if name.startswith("gpt2"):
-        return gpt2_small_shapes(), "float32" if name.endswith("fp32") else "bfloat16"
+        return gpt2_small_shapes(), {"gpt2-fp32": "float32", "gpt2-bf16": "bfloat16"}.get(name, "float16")
     n, m = (int(x) for x in name.split("x"))
     return [(m,)] * n, "float32"
 
@@ -91,6 +95,18 @@ def param_set(name: str, dry: bool) -> tuple[list[tuple[int, ...]], str]:
 # bytes moved per element, as multiples of the param itemsize (state in the param's dtype):
 # reads + writes of the lists each update touches
 TRAFFIC = {"AdamW": 7, "SGD": 5, "Lion": 5, "LAMB": 10}
+# "gpt2-fp16-master": float16 params and grads, float32 master weights and state (the usual
+# mixed-precision layout for GradScaler): read master 4, grad 2, m 4, v 4; write master 4, param 2,
+# m 4, v 4. Its clipping pass reads 2 more bytes: a floor of 30/28 = 1.07x the plain step.
+MASTER_SET = "gpt2-fp16-master"
+MASTER_BYTES = 28
+
+
+def traffic_bytes(set_name: str, opt: str, dtype_name: str) -> int:
+    """Bytes per element the update must move (each list read once, each updated list written once)."""
+    if set_name == MASTER_SET:
+        return MASTER_BYTES
+    return TRAFFIC[opt] * (2 if dtype_name in ("bfloat16", "float16") else 4)
 
 
 def make_impls(opt: str, device: str) -> list[tuple[str, Callable[[list[Any]], Any]]]:
@@ -139,7 +155,11 @@ def run_case(
     init = [torch.randn(s, generator=g).to(device=cfg.device, dtype=dtype) for s in shapes]
     grads = [torch.randn(s, generator=g).to(device=cfg.device, dtype=dtype) for s in shapes]
     impls = make_impls(opt, cfg.device)
-    if extra:
+    if set_name == MASTER_SET:  # torch has no master weights: this set measures cukit's own clip cost
+        import cukit.optim as co
+
+        impls = [("cukit", functools.partial(co.AdamW, lr=1e-3, master_weights=True, state_dtype=torch.float32))]
+    elif extra:
         impls = [(n, f) for n, f in impls if n in ("torch fused", "cukit")]
     reference: list[Any] | None = None
     for impl, factory in impls:
@@ -187,7 +207,7 @@ def run_case(
                 o.step, warmup=wu, repeats=rep, flush_l2=cfg.flush_l2, cuda=cfg.device.startswith("cuda")
             )
             host = harness.host_cost_us(o.step, iters=cfg.host_iters, rounds=3, warmup=1)
-            nbytes = numel * TRAFFIC[opt] * (2 if dtype_name == "bfloat16" else 4)
+            nbytes = numel * traffic_bytes(set_name, opt, dtype_name)
             row.update(
                 ms=t.ms,
                 min_ms=t.min_ms,
@@ -206,9 +226,13 @@ def run_case(
     ref_ms = (
         base.get("torch fused") or base.get("torch foreach") or base.get("torch for-loop (cukit reference)")
     )
+    plain = {r["impl"]: r.get("ms") for r in rows if r["set"] == set_name and r["opt"] == opt}
     for r in rows:
-        if r["set"] == set_name and r["opt"] == opt + extra and r.get("ms") and ref_ms:
-            r["speedup_vs_best_torch"] = ref_ms / r["ms"]
+        if r["set"] == set_name and r["opt"] == opt + extra and r.get("ms"):
+            if ref_ms and set_name != MASTER_SET:
+                r["speedup_vs_best_torch"] = ref_ms / r["ms"]
+            if extra and plain.get(r["impl"]):  # the fused extras' cost: time over the plain step's
+                r["x_plain_step"] = r["ms"] / plain[r["impl"]]
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
@@ -222,7 +246,12 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     failures: list[str] = []
     t0 = time.perf_counter()
     cases = [(s, o, "") for s in cfg.sets for o in cfg.optimizers]
-    cases.insert(1, ("gpt2-fp32", "AdamW", " +clip+scaler"))  # the fused-extras target, early
+    if "AdamW" in cfg.optimizers:  # the fused-extras target, early: fp32, then the AMP layout
+        cases[1:1] = [
+            ("gpt2-fp32", "AdamW", " +clip+scaler"),
+            (MASTER_SET, "AdamW", ""),
+            (MASTER_SET, "AdamW", " +clip+scaler"),
+        ]
     for set_name, opt, extra in cases:
         if cfg.budget_s and time.perf_counter() - t0 > cfg.budget_s:
             failures.append(f"{set_name} {opt}{extra}: skipped (time budget)")
@@ -242,6 +271,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             "frac_copy",
             "host_us",
             "speedup_vs_best_torch",
+            "x_plain_step",
         ],
         title="optimizer step: device ms (median), effective TB/s, fraction of copy bandwidth, host µs/step",
     )
