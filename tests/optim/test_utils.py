@@ -29,6 +29,28 @@ def test_l2norm(device: str) -> None:
     assert float(co.multi_tensor_l2norm([torch.zeros(0, device=device)])) == 0.0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+def test_l2norm_chunk_boundaries_and_misaligned_views(device: str, dtype: str) -> None:
+    """Sizes around the chunk (16,384) and the kernel's unrolled trip (4 vectors per thread), views
+    one element off alignment (the scalar path), and a non-finite value in each region of a chunk."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 4, 5, 2047, 2048, 8191, 8192, 8197, 16383, 16384, 16385, 3 * 16384 + 11]
+    base = [torch.randn(n + 1, generator=g).to(device=device, dtype=dt) for n in sizes]
+    ts = [b[: n] for b, n in zip(base, sizes, strict=True)] + [b[1:] for b in base]  # aligned, then off by one
+    total, per = co.multi_tensor_l2norm(ts, per_tensor=True)
+    want = torch.stack([t.double().norm() for t in ts])
+    rtol = 1e-5 if dt in (torch.float32, torch.float64) else 1e-3
+    torch.testing.assert_close(per.double().cpu(), want.cpu(), rtol=rtol, atol=1e-6)
+    torch.testing.assert_close(total.double().cpu(), want.norm().cpu(), rtol=rtol, atol=1e-6)
+    big = ts[len(sizes) - 1]
+    for pos in (0, 5, 2048 * 4 + 3, 16383, 16384, big.numel() - 1):
+        big[pos] = float("inf")
+        assert float(co.nonfinite_flag(ts)) == 1.0, pos
+        big[pos] = 0.0
+    assert float(co.nonfinite_flag(ts)) == 0.0
+
+
 def test_clip_grad_norm_matches_torch(device: str) -> None:
     ts = [t.float() for t in tensors(device)]
     a = [t.clone().requires_grad_() for t in ts]
