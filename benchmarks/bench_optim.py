@@ -304,8 +304,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 "y": "ms",
                 "series": "impl",
                 "panels": ("opt", "dtype"),
-                "ylabel": "ms per step",
+                "ylabel": "ms per step (log)",
                 "logx": True,
+                "logy": True,
             },
         )
         saved = [str(p) for p in paths]

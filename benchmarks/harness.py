@@ -649,9 +649,11 @@ def plot(
     ylabel: str | None = None,
     title: str | None = None,
     logx: bool = True,
+    logy: bool = False,
 ) -> Path | None:
     """Line plot of `y` against `x`, one line per value of `series`, one panel per combination of
-    `panels`, an optional horizontal reference line (e.g. copy bandwidth). Returns the PNG path,
+    `panels`, an optional horizontal reference line (e.g. copy bandwidth); `logy` for values that
+    span orders of magnitude (optimizer steps: ms to seconds). Returns the PNG path,
     or None when matplotlib is missing or there is nothing to plot (never raises for those)."""
     try:
         import matplotlib
@@ -682,6 +684,8 @@ def plot(
             ax.axhline(hline, color="k", linestyle="--", linewidth=1, label=hline_label)
         if logx:
             ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
         ax.set_title(" ".join(key))
         ax.set_xlabel(xlabel or x)
         ax.set_ylabel(ylabel or y)
