@@ -211,10 +211,12 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         # into one list measured 12% under a generator with a None test per grad; a None grad
         # (rare after the first step) takes the slow path. flat_grads makes the check constant.
         grads = [p.grad for p in ps]
+        key = list(map(_DATA_PTR, ps))
         try:
-            key = [*map(_DATA_PTR, ps), *map(_DATA_PTR, grads)]
-        except TypeError:  # some grad is None
-            key = [*map(_DATA_PTR, ps), *(-1 if g is None else g.data_ptr() for g in grads)]
+            key += map(_DATA_PTR, grads)
+        except TypeError:  # some grad is None (a frozen param): every step, so the params' part stays
+            del key[len(ps) :]
+            key += (-1 if g is None else g.data_ptr() for g in grads)
         if key != self._key:
             self._build()
             self._key = key
