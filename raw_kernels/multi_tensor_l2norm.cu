@@ -41,15 +41,13 @@ __global__ void __launch_bounds__(512) mt_sumsq(const long long* __restrict__ ta
   const Table<1> tab{table, Tn, C, chunk};
   const long long B = blockDim.x;
   for (long long c = blockIdx.x; c < tab.C; c += gridDim.x) {
-    const long long w = tab.work(c);
-    const long long i = w >> 32;
-    const long long start = (w & 0xffffffffLL) * tab.chunk;
-    const long long n = min(tab.size(i) - start, tab.chunk);
-    const T* x = reinterpret_cast<const T*>(tab.addr(0, i)) + start;
+    const Chunk k = chunk_at(tab, c);
+    const long long n = k.n;
+    const T* x = reinterpret_cast<const T*>(tab.addr(0, k.tensor)) + k.start;
     float acc = 0.f;
     bool bad = false;
     long long e0 = 0;  // first element left to the scalar loop
-    if (tab.info(i) & kAlignedBit) {
+    if (k.info & kAlignedBit) {
       const long long nv = n / kVec;
       long long v = threadIdx.x;
       for (; v + (kUnroll - 1) * B < nv; v += kUnroll * B) {

@@ -42,6 +42,22 @@ template <int L> struct Table {
   __device__ __forceinline__ long long work(long long c) const { return t[(L + 3) * T + 1 + c]; }
 };
 
+// Work item c decoded: its tensor, the tensor's info, and the element range [start, start + n).
+struct Chunk {
+  long long tensor, start, n;
+  int info;
+};
+
+template <int L> __device__ __forceinline__ Chunk chunk_at(const Table<L>& tab, long long c) {
+  const long long w = tab.work(c);
+  Chunk k;
+  k.tensor = w >> 32;
+  k.start = (w & 0xffffffffLL) * tab.chunk;
+  k.n = min(tab.size(k.tensor) - k.start, tab.chunk);
+  k.info = tab.info(k.tensor);
+  return k;
+}
+
 template <int L> struct Ptrs {
   void* p[L];
   template <typename T> __device__ __forceinline__ T* at(int list) const { return static_cast<T*>(p[list]); }
@@ -103,11 +119,9 @@ __device__ __forceinline__ bool load_shared(Shared& sh, const float* __restrict_
 template <int L, typename F> __device__ __forceinline__ void for_each_chunk(const Table<L>& tab, const F& f,
                                                                           const Shared& sh) {
   for (long long c = blockIdx.x; c < tab.C; c += gridDim.x) {
-    const long long w = tab.work(c);
-    const long long i = w >> 32;
-    const long long start = (w & 0xffffffffLL) * tab.chunk;
-    const long long n = min(tab.size(i) - start, tab.chunk);
-    const int info = tab.info(i);
+    const Chunk k = chunk_at(tab, c);
+    const long long i = k.tensor, start = k.start, n = k.n;
+    const int info = k.info;
     Ptrs<L> p;
 #pragma unroll
     for (int l = 0; l < L; ++l) p.p[l] = reinterpret_cast<void*>(tab.addr(l, i));
