@@ -155,13 +155,14 @@ def run_case(
     g = torch.Generator(device="cpu").manual_seed(0)
     init = [torch.randn(s, generator=g).to(device=cfg.device, dtype=dtype) for s in shapes]
     grads = [torch.randn(s, generator=g).to(device=cfg.device, dtype=dtype) for s in shapes]
-    impls = make_impls(opt, cfg.device)
     if set_name == MASTER_SET:  # torch has no master weights: this set measures cukit's own clip cost
         import cukit.optim as co
 
         impls = [("cukit", functools.partial(co.AdamW, lr=1e-3, master_weights=True, state_dtype=torch.float32))]
-    elif extra:
-        impls = [(n, f) for n, f in impls if n in ("torch fused", "cukit")]
+    else:
+        impls = make_impls(opt, cfg.device)
+        if extra:
+            impls = [(n, f) for n, f in impls if n in ("torch fused", "cukit")]
     reference: list[Any] | None = None
     if set_name == MASTER_SET:  # master weights = torch's for-loop on float32 copies, rounded to float16
         p32 = [p.float().requires_grad_() for p in init]
