@@ -14,38 +14,39 @@ A kernel file is declared once, by the op that uses it::
 together; one group is compiled on first use of any of its members. ``signatures`` gives each
 kernel's parameter types, so Python numbers are sent with the width the kernel expects (CuPy sends
 a Python float as a double, silently). ``cukit check-kernels`` compiles every declared
-instantiation of every module without a GPU.
+instantiation of every module without a GPU (``cukit.cli.all_modules``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib
 import importlib.resources
+import itertools
 import operator
 import os
+import struct
 import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 __all__ = [
     "KernelCompileError",
     "KernelModule",
-    "all_modules",
+    "Launch",
+    "PlanCache",
     "cuda_include_dirs",
     "include_dir",
     "kernel_dir",
+    "registered_modules",
 ]
-
-# Modules that declare kernels; `all_modules()` imports them so the registry is complete.
-_KERNEL_OWNERS = ("cukit.ops.bias_act", "cukit.ops.matmul_simt", "cukit.ops.matmul_tc", "cukit.ops.repack",
-                  "cukit.optim._kernels")
 
 # Options shared by the CuPy path and the offline path. CuPy adds -ftz=true itself; the offline
 # compiler adds it too, so both compile the same code.
@@ -192,14 +193,14 @@ def _pointer(v: Any, kernel: str, i: int) -> int:
     raise TypeError(f"{kernel}: argument {i} is a pointer; got {type(v).__qualname__}")
 
 
-def convert_args(kernel: str, signature: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+def convert_args(kernel: str, signature: Sequence[str], args: Sequence[Any], *, first: int = 0) -> tuple[Any, ...]:
     """Turn launch arguments into what the kernel's C signature expects: pointers from arrays,
     scalars as NumPy scalars of the declared width (never a Python float, which CuPy sends as a
-    double)."""
+    double). `first`: the position of ``args[0]`` in the kernel's parameter list (errors name it)."""
     if len(args) != len(signature):
         raise TypeError(f"{kernel} takes {len(signature)} arguments ({' '.join(signature)}), got {len(args)}")
     out: list[Any] = []
-    for i, (kind, v) in enumerate(zip(signature, args, strict=True)):
+    for i, (kind, v) in enumerate(zip(signature, args, strict=True), start=first):
         fast = _FAST.get((kind, type(v)))
         if fast is not None:  # the common cases, one dict lookup each (hot path)
             try:
@@ -247,7 +248,7 @@ class KernelModule:
     instantiations: Mapping[str, Sequence[str]]
     signatures: Mapping[str, str]
     options: tuple[str, ...] = ()
-    register: bool = True  # list it in all_modules() (and so in `cukit check-kernels`)
+    register: bool = True  # list it in registered_modules() (and so in `cukit check-kernels`)
     # An architecture-specific target such as "sm_90a" (wgmma, setmaxnreg): the module compiles
     # only for it, and only runs on devices of that compute capability.
     arch: str | None = None
@@ -345,18 +346,39 @@ class KernelModule:
         shared_mem: int = 0,
     ) -> None:
         """Launch one instantiation. `stream` is an object with ``.ptr`` (see
-        ``cukit.interop.current_stream``); `args` are converted by the kernel's signature."""
-        import cupy
+        ``cukit.interop.current_stream``); `args` are converted by the kernel's signature. Ops
+        called in a loop build a :class:`Launch` once with :meth:`prepare` instead."""
+        self.prepare(name_expr, grid, block, args, device=device, shared_mem=shared_mem, n_head=0, reuse=False)(
+            (), stream
+        )
 
+    def prepare(
+        self,
+        name_expr: str,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        tail: Sequence[Any],
+        *,
+        device: int,
+        shared_mem: int = 0,
+        n_head: int | None = None,
+        reuse: bool = True,
+    ) -> Launch:
+        """A ready launch of one instantiation: compiled, its shared-memory limit raised, the
+        trailing `tail` arguments converted once by the kernel's signature. The first `n_head`
+        arguments (default: all the signature's arguments before `tail`, usually the pointers)
+        are given per call: ``launch(head, stream)``. reuse=False: a launch used once (CuPy
+        launches it; building the driver parameter buffer would cost more than it saves)."""
         fn = self.function(name_expr, device)
-        typed = convert_args(name_expr, self._signatures[_template_name(name_expr)], args)
+        sig = self._signatures[_template_name(name_expr)]
+        n_head = max(0, len(sig) - len(tail)) if n_head is None else n_head
+        if n_head + len(tail) != len(sig):
+            raise TypeError(f"{name_expr} takes {len(sig)} arguments ({' '.join(sig)}), got {n_head + len(tail)}")
+        typed_tail = convert_args(name_expr, sig[n_head:], tail, first=n_head)
         if shared_mem > _DEFAULT_SMEM and self._smem_limit.get((name_expr, device), 0) < shared_mem:
             self._raise_smem_limit(fn, name_expr, device, shared_mem)
-        if cupy.cuda.runtime.getDevice() == device:
-            fn(grid, block, typed, shared_mem=shared_mem, stream=stream)
-        else:  # a kernel runs in its device's context: switch for tensors on another GPU
-            with cupy.cuda.Device(device):
-                fn(grid, block, typed, shared_mem=shared_mem, stream=stream)
+        return Launch(fn, tuple(grid), tuple(block), typed_tail, shared_mem, device, name_expr, sig[:n_head],
+                      sig[n_head:] if reuse else ())
 
     def _raise_smem_limit(self, fn: Any, name_expr: str, device: int, nbytes: int) -> None:
         """Above 48 KiB a kernel must opt in to its dynamic shared memory
@@ -391,14 +413,215 @@ class KernelModule:
         return n
 
 
+# Bytes and alignment of each argument kind in a kernel's parameter buffer (cuLaunchKernel).
+_PARAM_LAYOUT: dict[str, tuple[str, int, int]] = {
+    "ptr": ("Q", 8, 8),
+    "u64": ("Q", 8, 8),
+    "i64": ("q", 8, 8),
+    "f64": ("d", 8, 8),
+    "i32": ("i", 4, 4),
+    "f32": ("f", 4, 4),
+    "b128": ("128s", 128, 64),
+}
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+@functools.lru_cache(maxsize=1)
+def _cu_launch_kernel() -> Any:
+    """The driver's cuLaunchKernel through ctypes, or None where libcuda cannot be loaded.
+
+    A PyDLL call keeps the GIL: packing a Launch's parameter buffer and launching from it are one
+    step that no other Python thread can interleave with (torch runs backward on its own thread),
+    and the driver copies the parameters before the call returns."""
+    try:
+        lib = ctypes.PyDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = lib.cuLaunchKernel
+    u32 = ctypes.c_uint
+    fn.argtypes = [ctypes.c_void_p, u32, u32, u32, u32, u32, u32, u32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class Launch:
+    """One kernel launch with everything but its leading arguments fixed: the compiled function,
+    grid, block, dynamic shared memory, device and the typed trailing arguments. Calling it with
+    the leading arguments (device pointers as Python ints; a CUtensorMap as 128 bytes) enqueues
+    the kernel: the hot path of every op.
+
+    The trailing arguments are packed once into a parameter buffer laid out as the kernel's
+    parameter list; a call packs the leading ones into it (one ``struct.pack_into``) and calls the
+    driver's ``cuLaunchKernel`` directly, which costs a fraction of a generic launch that
+    converts every argument per call. Where libcuda cannot be loaded, CuPy launches it.
+    """
+
+    __slots__ = (
+        "_base", "_buf", "_cufn", "_params", "_struct", "block", "device", "fn", "grid", "head_kinds",
+        "name", "smem", "tail",
+    )
+
+    def __init__(
+        self,
+        fn: Any,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        tail: tuple[Any, ...],
+        smem: int,
+        device: int,
+        name: str,
+        head_kinds: tuple[str, ...],
+        tail_kinds: tuple[str, ...] = (),
+    ) -> None:
+        self.fn, self.smem, self.tail = fn, smem, tail
+        self.grid = (*grid, 1, 1)[:3]
+        self.block = (*block, 1, 1)[:3]
+        self.device, self.name, self.head_kinds = device, name, head_kinds
+        self._cufn = None
+        if _cu_launch_kernel() is not None and len(tail_kinds) == len(tail):
+            self._build_params(head_kinds, tail_kinds)
+
+    def _build_params(self, head_kinds: tuple[str, ...], tail_kinds: tuple[str, ...]) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            self._cufn = int(self.fn.kernel.ptr)
+        offsets, off = [], 0
+        for kind in (*head_kinds, *tail_kinds):
+            _, size, align = _PARAM_LAYOUT[kind]
+            off = -(-off // align) * align
+            offsets.append(off)
+            off += size
+        self._buf = ctypes.create_string_buffer(off + 64)
+        self._base = -ctypes.addressof(self._buf) % 64  # 64-byte aligned parameter block
+        base_addr = ctypes.addressof(self._buf) + self._base
+        self._params = (ctypes.c_void_p * max(1, len(offsets)))(*(base_addr + o for o in offsets))
+        n = len(head_kinds)
+        fmt, cur = "<", 0
+        for kind, o in zip(head_kinds, offsets[:n], strict=True):
+            fmt += "x" * (o - cur) + _PARAM_LAYOUT[kind][0]
+            cur = o + _PARAM_LAYOUT[kind][1]
+        self._struct = struct.Struct(fmt)
+        for kind, o, v in zip(tail_kinds, offsets[n:], self.tail, strict=True):
+            raw = np.asarray(v).tobytes()
+            assert len(raw) == _PARAM_LAYOUT[kind][1], (kind, len(raw))
+            ctypes.memmove(base_addr + o, raw, len(raw))
+
+    def __call__(self, head: tuple[Any, ...], stream: Any) -> None:
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() == self.device:
+            self._launch(head, stream)
+        else:  # a kernel runs in its device's context: switch for tensors on another GPU
+            with cupy.cuda.Device(self.device):
+                self._launch(head, stream)
+
+    def _launch(self, head: tuple[Any, ...], stream: Any) -> None:
+        if self._cufn is None:
+            if "b128" in self.head_kinds:
+                head = tuple(bytes_to_arg(v) for v in head)
+            self.fn(self.grid, self.block, head + self.tail, shared_mem=self.smem, stream=stream)
+            return
+        self._struct.pack_into(self._buf, self._base, *head)
+        g, b = self.grid, self.block
+        rc = _cu_launch_kernel()(self._cufn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.ptr,
+                                 self._params, None)
+        if rc:
+            self._launch_failed(rc, head, stream)
+
+    def _launch_failed(self, rc: int, head: tuple[Any, ...], stream: Any) -> None:
+        """A thread without a current CUDA context (a fresh thread) gets the device's primary
+        context and the launch again; any other error goes through CuPy, which raises it with
+        its name."""
+        if rc == _CUDA_ERROR_INVALID_CONTEXT:
+            import cupy
+
+            cupy.cuda.runtime.setDevice(self.device)
+            self._struct.pack_into(self._buf, self._base, *head)
+            g, b = self.grid, self.block
+            rc = _cu_launch_kernel()(self._cufn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.ptr,
+                                     self._params, None)
+            if rc == 0:
+                return
+        args = tuple(bytes_to_arg(v) for v in head) + self.tail
+        self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream)
+
+    def __repr__(self) -> str:
+        return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.smem}, device={self.device})"
+
+
+_B128 = np.dtype((np.void, 128))
+
+
+def bytes_to_arg(v: Any) -> Any:
+    """A leading argument as CuPy's launch takes it (128 raw bytes -> a one-element NumPy struct)."""
+    if isinstance(v, bytes):
+        return np.frombuffer(v, _B128).copy()
+    return v
+
+
+class PlanCache:
+    """The one launch-plan cache: a bounded mapping from a call's signature (shapes, strides,
+    dtypes, device, pointer alignment, options: everything a plan is derived from, never the
+    data pointers themselves) to the plan an op built for it. A call whose signature is known does
+    one dict lookup; new data pointers with the same signature reuse the plan.
+
+    Least recently *inserted* entries are dropped first once `maxsize` is reached (a hit does not
+    reorder: keeping the hit path to a single lookup matters more than perfect LRU order for the
+    few hundred signatures a model uses). ``stats()`` reports hits, misses and size (tests)."""
+
+    __slots__ = ("_data", "hits", "maxsize", "misses", "name")
+
+    _ALL: ClassVar[list[PlanCache]] = []
+
+    def __init__(self, name: str, maxsize: int = 1024) -> None:
+        if maxsize < 1:
+            raise ValueError(f"PlanCache: maxsize must be >= 1; got {maxsize}")
+        self.name, self.maxsize = name, maxsize
+        self._data: dict[Any, Any] = {}
+        self.hits = self.misses = 0
+        PlanCache._ALL.append(self)
+
+    def get(self, key: Any) -> Any | None:
+        plan = self._data.get(key)
+        if plan is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return plan
+
+    def put(self, key: Any, plan: Any) -> Any:
+        data = self._data
+        if key not in data and len(data) >= self.maxsize:
+            # dicts keep insertion order: drop the oldest eighth at once (amortised O(1) per insert)
+            for k in list(itertools.islice(data, max(1, self.maxsize // 8))):
+                del data[k]
+        data[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        self._data.clear()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def stats(self) -> dict[str, int]:
+        return {"size": len(self._data), "maxsize": self.maxsize, "hits": self.hits, "misses": self.misses}
+
+    @classmethod
+    def all_stats(cls) -> dict[str, dict[str, int]]:
+        """Every plan cache of the process by name (``cukit info`` and tests)."""
+        return {c.name: c.stats() for c in cls._ALL}
+
+
 def _template_name(name_expr: str) -> str:
     return name_expr.split("<", 1)[0].strip()
 
 
-def all_modules() -> dict[str, KernelModule]:
-    """Every declared kernel module, by file name."""
-    for owner in _KERNEL_OWNERS:
-        importlib.import_module(owner)
+def registered_modules() -> dict[str, KernelModule]:
+    """The kernel modules declared so far, by registry key (``cukit.cli.all_modules`` imports
+    every module that declares kernels first: the loader never imports the ops above it)."""
     return dict(_REGISTRY)
 
 

@@ -22,11 +22,17 @@ A :class:`Gemm` describes one launch-ready problem on one device::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from cukit.interop import DType
 
-__all__ = ["GEMM_SIGNATURE", "MAX_BATCH_DIMS", "Gemm"]
+__all__ = ["GEMM_SIGNATURE", "MAX_BATCH_DIMS", "Gemm", "GemmFamily", "GemmRun"]
+
+# A ready launch: ``run((a, b, c, bias), stream)`` with device pointers of arrays that have the
+# shapes, strides and alignment of the Gemm it was prepared for.
+GemmRun = Callable[[tuple[int, int, int, int], Any], None]
 
 MAX_BATCH_DIMS = 3
 
@@ -87,3 +93,19 @@ class Gemm:
             self.sa_m, self.sa_k, self.sb_k, self.sb_n,
             *self.batch, *self.sa_batch, *self.sb_batch,
         )
+
+
+class GemmFamily(Protocol):
+    """What a kernel family module (``cukit/ops/matmul_<family>.py``) provides to the front end."""
+
+    def supports(self, g: Gemm) -> bool:
+        """Whether the family runs ``g`` (dtype, precision, layout, alignment, device)."""
+        ...
+
+    def prepare(self, g: Gemm, *, version: str) -> GemmRun:
+        """A ready launch for every problem of ``g``'s signature (the plan cache keeps it)."""
+        ...
+
+    def launch(self, g: Gemm, stream: Any) -> None:
+        """``prepare(g)((g.a, g.b, g.c, g.bias), stream)``."""
+        ...

@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 
 from cukit._device import sm_count
-from cukit._runtime import KernelModule
+from cukit._runtime import KernelModule, PlanCache
 from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of, dtype_of
 
 __all__ = ["ACTIVATIONS", "bias_act", "bias_act_backward", "reference_numpy", "reference_torch"]
 
 # Ids match enum Activation in raw_kernels/include/cukit/activations.cuh.
 ACTIVATIONS: dict[str, int] = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+_ACT_NAMES = {v: k for k, v in ACTIVATIONS.items()}
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -91,6 +92,18 @@ def validate(x: Any, bias: Any, activation: str) -> tuple[str, int, DType]:
     return kind, act, dt
 
 
+def _check_grad(fn: str, grad: Any, x: Any, kind: str) -> None:
+    """grad must be x's array type, dtype, shape and device."""
+    if array_kind(grad) != kind:
+        raise TypeError(f"{fn}: grad must be the same array type as x ({kind}); got {type(grad).__qualname__}")
+    if dtype_of(grad) != dtype_of(x):
+        raise TypeError(f"{fn}: grad must have x's dtype {dtype_of(x)}; got {dtype_of(grad)}")
+    if tuple(grad.shape) != tuple(x.shape):
+        raise ValueError(f"{fn}: grad must have x's shape {tuple(x.shape)}; got {tuple(grad.shape)}")
+    if device_of(grad) != device_of(x):
+        raise ValueError(f"{fn}: grad must be on x's device ({_where(device_of(x))}); got {_where(device_of(grad))}")
+
+
 def _where(d: int | None) -> str:
     return "the CPU" if d is None else f"cuda:{d}"
 
@@ -117,13 +130,11 @@ def bias_act(x: Any, bias: Any, activation: str = "relu") -> Any:
     See also: ``torch.nn.functional.gelu(x + bias)``, ``torch.nn.functional.silu``, ``numpy.maximum``.
     """
     kind, act, _ = validate(x, bias, activation)
-    if kind == "torch":
-        from cukit.torch.bias_act import bias_act as torch_bias_act
-
-        return torch_bias_act(x, bias, activation)
-    if kind == "cupy":
-        return forward_gpu(x, bias, act)
-    return reference_numpy(x, bias, activation)
+    if kind == "numpy":
+        return reference_numpy(x, bias, activation)
+    if device_of(x) is None:  # torch CPU (autograd-aware use goes through cukit.torch)
+        return reference_torch(x, bias, activation)
+    return forward_gpu(x, bias, act)
 
 
 def bias_act_backward(grad: Any, x: Any, bias: Any, activation: str = "relu") -> tuple[Any, Any]:
@@ -137,19 +148,12 @@ def bias_act_backward(grad: Any, x: Any, bias: Any, activation: str = "relu") ->
     See also: ``torch.autograd.grad``.
     """
     kind, act, _ = validate(x, bias, activation)
-    if array_kind(grad) != kind or dtype_of(grad) != dtype_of(x) or tuple(grad.shape) != tuple(x.shape):
-        raise ValueError(f"grad must match x's type, dtype and shape {tuple(x.shape)}")
-    if device_of(grad) != device_of(x):
-        raise ValueError("grad must be on x's device")
-    if kind == "torch":
-        import torch
-
-        from cukit.torch import bias_act as _reg  # noqa: F401
-
-        return tuple(torch.ops.cukit.bias_act_backward(grad, x, bias, activation))  # type: ignore[return-value]
-    if kind == "cupy":
-        return backward_gpu(grad, x, bias, act)
-    return reference_backward_numpy(grad, x, bias, activation)
+    _check_grad("bias_act_backward", grad, x, kind)
+    if kind == "numpy":
+        return reference_backward_numpy(grad, x, bias, activation)
+    if device_of(x) is None:  # torch CPU (autograd-aware use goes through cukit.torch)
+        return reference_backward_torch(grad, x, bias, activation)
+    return backward_gpu(grad, x, bias, act)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,71 +191,144 @@ def _vec(dt: DType, C: int, ptrs: list[int]) -> int:
     return 1
 
 
+# Signatures -> plans. A plan exists for calls whose arrays are used as they are (contiguous): the
+# pointers are then the only per-call inputs. Fresh outputs are always 16-byte aligned.
+_FWD_PLANS = PlanCache("bias_act_fwd", maxsize=1024)
+_BWD_PLANS = PlanCache("bias_act_bwd", maxsize=1024)
+
+
+def _key(tag: str, act: int, *arrays: Any) -> tuple:
+    """A call's signature: kind, shape, strides, dtype, device and 16-byte alignment of each array."""
+    if hasattr(arrays[0], "data_ptr"):
+        return (tag, act, *((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15) for t in arrays))
+    for t in arrays:
+        if type(t) is np.ndarray:
+            raise TypeError("bias_act: the GPU path needs CuPy arrays or torch CUDA tensors; got a NumPy array")
+    return (tag, act, *((t.shape, t.strides, t.dtype, getattr(t, "device", None), t.data.ptr & 15) for t in arrays))
+
+
+class _FwdPlan:
+    __slots__ = ("run", "shape")
+
+    def __init__(self, shape: tuple[int, ...], run: Any) -> None:
+        self.shape, self.run = shape, run
+
+
+class _BwdPlan:
+    __slots__ = ("acc", "main", "reduce", "splits")
+
+    def __init__(self, main: Any, reduce: Any, splits: int, acc: str) -> None:
+        self.main, self.reduce, self.splits, self.acc = main, reduce, splits, acc
+
+
 def forward_gpu(x: Any, bias: Any, act: int) -> Any:
-    """Launch the forward kernel on a validated CuPy array or torch CUDA tensor pair."""
-    kind = "torch" if array_kind(x) == "torch" else "cupy"
+    """``act(x + bias)`` for a CuPy array or torch CUDA tensor pair: one kernel launch. Arguments
+    are validated on a signature's first call (see :func:`validate`); later calls with the same
+    signature are a plan-cache lookup, an allocation and a launch."""
+    key = _key("fwd", act, x, bias)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        return _forward_first(x, bias, act, key)
+    if hasattr(x, "data_ptr"):
+        y = x.new_empty(plan.shape)
+        if plan.run is not None:
+            plan.run((x.data_ptr(), bias.data_ptr(), y.data_ptr()), current_stream(x.get_device(), True))
+        return y
+    y = _empty(plan.shape, x, "cupy")
+    if plan.run is not None:
+        plan.run((x.data.ptr, bias.data.ptr, y.data.ptr), current_stream(x.device.id, False))
+    return y
+
+
+def _forward_first(x: Any, bias: Any, act: int, key: tuple) -> Any:
+    kind, _, dt = validate(x, bias, _ACT_NAMES[act])
+    device = device_of(x)
+    if device is None:
+        raise ValueError("bias_act: forward_gpu needs CUDA arrays")
+    cacheable = _is_contiguous(x, kind) and _is_contiguous(bias, kind)
     x = _contiguous(x, kind)
     bias = _contiguous(bias, kind)
     y = _empty(tuple(x.shape), x, kind)
     n = math.prod(x.shape)
     if n == 0:
+        if cacheable:
+            _FWD_PLANS.put(key, _FwdPlan(tuple(y.shape), None))
         return y
     C = int(bias.shape[0])
-    dt = dtype_of(x)
-    device = device_of(x)
-    assert device is not None
     px, pb, py = _ptr(x, kind), _ptr(bias, kind), _ptr(y, kind)
     vec = _vec(dt, C, [px, pb, py])
     cv = C // vec
-    stream = current_stream(device, kind == "torch")
     if cv >= _ROWS_MIN_VECTORS:
         rows = n // C
         bx = min(_BLOCK, 1 << (cv - 1).bit_length())
         by = _BLOCK // bx
         col_blocks = -(-cv // bx)
         row_blocks = max(1, min(-(-rows // by), -(-sm_count(device) * _FWD_BLOCKS_PER_SM // col_blocks), 65535))
-        KERNELS.launch(
-            f"bias_act_fwd_rows<{dt.ctype}, {act}, {vec}>",
-            (col_blocks, row_blocks),
-            (bx, by),
-            (px, pb, py, rows, C),
-            device=device,
-            stream=stream,
+        run = KERNELS.prepare(
+            f"bias_act_fwd_rows<{dt.ctype}, {act}, {vec}>", (col_blocks, row_blocks), (bx, by), (rows, C), device=device
         )
-        return y
-    nv = n // vec
-    blocks = max(1, min(-(-nv // _BLOCK), sm_count(device) * _FWD_BLOCKS_PER_SM))
-    # int indexing while no index the kernel forms (up to nv + FWD_UNROLL * threads) can overflow
-    index = "int" if nv + _FWD_UNROLL * blocks * _BLOCK <= _INT32_MAX else "long long"
-    KERNELS.launch(
-        f"bias_act_fwd<{dt.ctype}, {act}, {vec}, {index}>",
-        (blocks,),
-        (_BLOCK,),
-        (px, pb, py, n, C),
-        device=device,
-        stream=stream,
-    )
+    else:
+        nv = n // vec
+        blocks = max(1, min(-(-nv // _BLOCK), sm_count(device) * _FWD_BLOCKS_PER_SM))
+        # int indexing while no index the kernel forms (up to nv + FWD_UNROLL * threads) can overflow
+        index = "int" if nv + _FWD_UNROLL * blocks * _BLOCK <= _INT32_MAX else "long long"
+        run = KERNELS.prepare(
+            f"bias_act_fwd<{dt.ctype}, {act}, {vec}, {index}>", (blocks,), (_BLOCK,), (n, C), device=device
+        )
+    run((px, pb, py), current_stream(device, kind == "torch"))
+    if cacheable:
+        _FWD_PLANS.put(key, _FwdPlan(tuple(y.shape), run))
     return y
 
 
 def backward_gpu(grad: Any, x: Any, bias: Any, act: int) -> tuple[Any, Any]:
-    """Launch the two backward kernels; returns (dx, dbias)."""
-    kind = "torch" if array_kind(x) == "torch" else "cupy"
+    """``(dx, dbias) = (grad * act'(x + bias), dx summed over all but the last dimension)`` for
+    CuPy arrays or torch CUDA tensors: two launches (per-split partial sums in fp32/fp64, then a
+    fixed-order reduction: bitwise reproducible). Validated on a signature's first call."""
+    key = _key("bwd", act, grad, x, bias)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        return _backward_first(grad, x, bias, act, key)
+    C = bias.shape[0]
+    if hasattr(x, "data_ptr"):
+        import torch
+
+        dx = x.new_empty(x.shape)
+        dbias = bias.new_empty((C,))
+        partial = x.new_empty((plan.splits, C), dtype=getattr(torch, plan.acc))
+        stream = current_stream(x.get_device(), True)
+        pp = partial.data_ptr()
+        plan.main((grad.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(), pp), stream)
+        plan.reduce((pp, dbias.data_ptr()), stream)
+        return dx, dbias
+    dx = _empty(tuple(x.shape), x, "cupy")
+    dbias = _empty((C,), bias, "cupy")
+    partial = _empty((plan.splits, C), x, "cupy", plan.acc)
+    stream = current_stream(x.device.id, False)
+    plan.main((grad.data.ptr, x.data.ptr, bias.data.ptr, dx.data.ptr, partial.data.ptr), stream)
+    plan.reduce((partial.data.ptr, dbias.data.ptr), stream)
+    return dx, dbias
+
+
+def _backward_first(grad: Any, x: Any, bias: Any, act: int, key: tuple) -> tuple[Any, Any]:
+    kind, _, dt = validate(x, bias, _ACT_NAMES[act])
+    _check_grad("bias_act_backward", grad, x, kind)
+    device = device_of(x)
+    if device is None:
+        raise ValueError("bias_act: backward_gpu needs CUDA arrays")
+    cacheable = all(_is_contiguous(t, kind) for t in (grad, x, bias))
     grad = _contiguous(grad, kind)
     x = _contiguous(x, kind)
     bias = _contiguous(bias, kind)
     dx = _empty(tuple(x.shape), x, kind)
     C = int(bias.shape[0])
     n = math.prod(x.shape)
-    dt = dtype_of(x)
-    if n == 0:
+    if n == 0:  # not cached: rare, and the zero fill is not a launch of ours
         dbias = _empty((C,), bias, kind)
         dbias[...] = 0
         return dx, dbias
     dbias = _empty((C,), bias, kind)
     rows = n // C
-    device = device_of(x)
-    assert device is not None
     pg, px, pb, pdx = _ptr(grad, kind), _ptr(x, kind), _ptr(bias, kind), _ptr(dx, kind)
     vec = _vec(dt, C, [pg, px, pb, pdx])
     cv = C // vec
@@ -266,24 +343,28 @@ def backward_gpu(grad: Any, x: Any, bias: Any, act: int) -> tuple[Any, Any]:
     partial = _empty((splits, C), x, kind, acc)
     stream = current_stream(device, kind == "torch")
     acc_size = 8 if acc == "float64" else 4
-    KERNELS.launch(
+    main = KERNELS.prepare(
         f"bias_act_bwd<{dt.ctype}, {act}, {vec}>",
         (col_blocks, splits),
         (bx, by),
-        (pg, px, pb, pdx, _ptr(partial, kind), rows, C, rows_per_split),
+        (rows, C, rows_per_split),
         device=device,
-        stream=stream,
         shared_mem=bx * by * vec * acc_size,
     )
-    KERNELS.launch(
-        f"bias_act_bwd_reduce<{dt.ctype}>",
-        (max(1, min(-(-C // _BLOCK), target_blocks)),),
-        (_BLOCK,),
-        (_ptr(partial, kind), _ptr(dbias, kind), splits, C),
+    reduce = KERNELS.prepare(
+        f"bias_act_bwd_reduce<{dt.ctype}>", (max(1, min(-(-C // _BLOCK), target_blocks)),), (_BLOCK,), (splits, C),
         device=device,
-        stream=stream,
     )
+    pp = _ptr(partial, kind)
+    main((pg, px, pb, pdx, pp), stream)
+    reduce((pp, _ptr(dbias, kind)), stream)
+    if cacheable:
+        _BWD_PLANS.put(key, _BwdPlan(main, reduce, splits, acc))
     return dx, dbias
+
+
+def _is_contiguous(a: Any, kind: str) -> bool:
+    return bool(a.is_contiguous() if kind == "torch" else a.flags.c_contiguous)
 
 
 # ---------------------------------------------------------------------------------------------

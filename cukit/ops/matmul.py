@@ -9,14 +9,21 @@ activation epilogue), then hands it to a kernel family:
 - ``cukit/ops/matmul_tc.py``: tensor-core (mma.sync) kernels for bfloat16 / float16 inputs with fp32
   accumulation, and float32 with ``precision="tf32"``.
 
-Each family exposes ``supports(g) -> bool`` and ``launch(g, stream)``; they are imported lazily,
-on the first GPU call. ``select_kernel`` documents the choice. Tests and benchmarks force a family
-(not public API) with ``force_kernel("simt" | "simt_v1" | "tc")`` around any call, or call
-``_matmul_gpu(a, b, kernel=...)`` directly. This module declares no kernels.
+Each family is a :class:`cukit.ops._gemm.GemmFamily` (``supports(g)``, ``prepare(g)``,
+``launch(g, stream)``), imported lazily on the first GPU call. ``select_kernel`` documents the
+choice. Tests and benchmarks force a family (not public API) with
+``force_kernel("simt" | "simt_v1" | "tc")`` around any call, or call ``_matmul_gpu(a, b, kernel=...)``
+directly. This module declares no kernels.
+
+The launch path: a GPU call's signature (shapes, strides, dtypes, device, pointer alignment,
+options) keys a bounded plan cache (``_PLANS``); a known signature costs a lookup, one output
+allocation and a launch of the prepared kernel. The first call of a signature validates it and
+builds the plan.
 
 NumPy and torch-CPU inputs run the references below (``numpy.matmul`` / ``torch.matmul``), which
-are also the CPU fallbacks. torch registration (autograd, torch.compile, CUDA graphs):
-``cukit/torch/matmul.py``.
+are also the CPU fallbacks. These functions are array-level: autograd, autocast and
+``torch.compile`` support live in the torch layer (``cukit/torch/matmul.py``), which the public
+``cukit.matmul`` routes torch tensors to.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ import contextlib
 import dataclasses
 import importlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from cukit._runtime import PlanCache
 from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of, element_strides
 from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
 from cukit.ops.bias_act import ACTIVATIONS, activation_id
@@ -270,24 +278,21 @@ def matmul(a: Any, b: Any, *, out: Any = None, precision: str | None = None) -> 
         _check_out(out, kind, device, out_shape, rdt)
     if kind == "numpy":
         return reference_numpy(a, b, out=out)
-    if kind == "torch":
-        from cukit.torch.matmul import matmul as torch_matmul
-
-        return torch_matmul(a, b, precision=prec, out=out, dtype=rdt)
+    if device is None:  # torch CPU (autograd-aware use goes through cukit.torch)
+        if a.is_complex() or b.is_complex():
+            raise TypeError(f"cukit.matmul supports real dtypes for torch tensors; got {rdt}")
+        r = reference_torch(_astype(a, rdt, kind), _astype(b, rdt, kind))
+        if out is None:
+            return r
+        out.copy_(r)
+        return out
     if rdt not in FLOAT_DTYPES:
         raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {rdt}")
     return _matmul_gpu(_astype(a, rdt, kind), _astype(b, rdt, kind), precision=prec, out=out)
 
 
-def batch_matmul(a: Any, b: Any, *, precision: str | None = None) -> Any:
-    """Strict batched product: ``C[z] = A[z] @ B[z]`` for a (B, M, K) and b (B, K, N) -> (B, M, N).
-
-    No broadcasting and no 1-D promotion: both operands must be 3-D with equal batch sizes and
-    matching K (ValueError otherwise). Otherwise as ``cukit.matmul`` (array types, dtypes,
-    precision, autograd).
-
-    See also: ``torch.bmm``, ``cukit.matmul``.
-    """
+def validate_batch(a: Any, b: Any) -> None:
+    """batch_matmul's stricter checks: both 3-D, equal batch sizes, matching K."""
     _validate_pair(a, b)
     if a.ndim != 3 or b.ndim != 3:
         raise ValueError(
@@ -301,6 +306,18 @@ def batch_matmul(a: Any, b: Any, *, precision: str | None = None) -> Any:
             f"batch_matmul: a is (B, M, K) = {tuple(a.shape)} and b (B, K, N) = {tuple(b.shape)}; "
             f"K differs ({a.shape[2]} vs {b.shape[1]})"
         )
+
+
+def batch_matmul(a: Any, b: Any, *, precision: str | None = None) -> Any:
+    """Strict batched product: ``C[z] = A[z] @ B[z]`` for a (B, M, K) and b (B, K, N) -> (B, M, N).
+
+    No broadcasting and no 1-D promotion: both operands must be 3-D with equal batch sizes and
+    matching K (ValueError otherwise). Otherwise as ``cukit.matmul`` (array types, dtypes,
+    precision, autograd).
+
+    See also: ``torch.bmm``, ``cukit.matmul``.
+    """
+    validate_batch(a, b)
     return matmul(a, b, precision=precision)
 
 
@@ -354,13 +371,11 @@ def linear(
     """
     kind, act = _validate_linear(x, weight, bias, activation)
     prec = _resolve_precision(precision)
-    if kind == "torch":
-        from cukit.torch.matmul import linear as torch_linear
-
-        return torch_linear(x, weight, bias, activation, precision=prec)
-    if kind == "cupy":
-        return linear_gpu(x, weight, bias, act, precision=prec)
-    return linear_reference_numpy(x, weight, bias, activation)
+    if kind == "numpy":
+        return linear_reference_numpy(x, weight, bias, activation)
+    if device_of(x) is None:  # torch CPU (autograd-aware use goes through cukit.torch)
+        return linear_reference_torch(x, weight, bias, activation)
+    return linear_gpu(x, weight, bias, act, precision=prec)
 
 
 def chunked_matmul(
@@ -540,9 +555,8 @@ _FORCED: str | None = None
 @contextlib.contextmanager
 def force_kernel(kernel: str | None) -> Iterator[None]:
     """Make every GPU matmul/linear in the block use one kernel family (for tests and benchmarks;
-    not public API): "simt", "tc", or a family with a version such as "simt_v1" (launched with
-    ``module.launch(g, stream, version="v1")``, or ``module.launch_v1(g, stream)`` where the family
-    defines that). None restores the heuristic.
+    not public API): "simt", "tc", or a family with a version such as "simt_v1" (prepared with
+    ``module.prepare(g, version="v1")``). None restores the heuristic.
 
     Process-wide (a module global, not a context variable): torch runs CUDA backward passes on its
     own threads, which must see it too. Not thread-safe; nest freely."""
@@ -641,15 +655,12 @@ def _plan(g: Gemm, kernel: str | None = None) -> tuple[ModuleType, Gemm, str | N
     raise NotImplementedError(f"no matmul kernel for {_describe(g)}: {'; '.join(dict.fromkeys(notes))}")
 
 
-def _launch(mod: ModuleType, g: Gemm, stream: Any, variant: str | None) -> None:
+def _prepare(mod: ModuleType, g: Gemm, variant: str | None) -> Any:
+    """The family's ready launch for ``g`` (``run((a, b, c, bias), stream)``); a variant such as
+    "v1" goes to ``prepare(g, version=variant)``."""
     if variant is None:
-        mod.launch(g, stream)
-        return
-    fn = getattr(mod, f"launch_{variant}", None)
-    if fn is not None:
-        fn(g, stream)
-    else:
-        mod.launch(g, stream, version=variant)
+        return mod.prepare(g)
+    return mod.prepare(g, version=variant)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -884,6 +895,46 @@ def _pad_pays(g: Gemm, mod: ModuleType, kind: str) -> bool:
     return True
 
 
+class _GemmPlan:
+    """What a matmul call with a known signature needs: the result's shape and a ready launch
+    (``run((a, b, c, bias), stream)``, from the kernel family's ``prepare``)."""
+
+    __slots__ = ("out_shape", "run")
+
+    def __init__(self, out_shape: tuple[int, ...], run: Any) -> None:
+        self.out_shape, self.run = out_shape, run
+
+
+# Signatures -> _GemmPlan. Plans exist only for calls that launch on the caller's arrays as they
+# are (no operand copy, no padding): their pointers are the only per-call inputs.
+_PLANS = PlanCache("matmul", maxsize=1024)
+
+
+def _plan_key(tag: str, a: Any, b: Any, bias: Any, act: int, precision: str, kernel: str | None) -> tuple:
+    """A call's signature: everything a plan is derived from (kinds, shapes, strides, dtypes,
+    devices, 16-byte alignment of every pointer, options), never the pointers themselves."""
+    if type(a) is np.ndarray or type(b) is np.ndarray:
+        raise TypeError("_matmul_gpu needs CUDA arrays; got a NumPy array")
+    if hasattr(a, "data_ptr"):  # torch (tensor subclasses included: only their pointers are read)
+        bk = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() & 15)
+        return (
+            tag, a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15,
+            b.shape, b.stride(), b.dtype, b.get_device(), b.data_ptr() & 15, type(b) is type(a),
+            bk, act, precision, kernel,
+        )
+    bk = None if bias is None else (bias.shape, bias.strides, bias.dtype, _cupy_device(bias), bias.data.ptr & 15)
+    return (
+        tag, a.shape, a.strides, a.dtype, _cupy_device(a), a.data.ptr & 15,
+        b.shape, b.strides, b.dtype, _cupy_device(b), b.data.ptr & 15, type(b) is type(a),
+        bk, act, precision, kernel,
+    )
+
+
+def _cupy_device(x: Any) -> int:
+    dev = getattr(x, "device", None)
+    return -1 if dev is None else dev.id
+
+
 def _matmul_gpu(
     a: Any,
     b: Any,
@@ -894,9 +945,11 @@ def _matmul_gpu(
     bias: Any = None,
     act: int = -1,
     pad: bool = True,
+    tag: str = "matmul",
+    check: Callable[[], Any] | None = None,
 ) -> Any:
-    """``act(a @ b + bias)`` on the GPU with ``numpy.matmul`` shape semantics (for tests and
-    benchmarks; not public API).
+    """``act(a @ b + bias)`` on the GPU with ``numpy.matmul`` shape semantics: the launch path of
+    every GPU matmul (and the hook tests and benchmarks call; not public API).
 
     a, b: CuPy arrays or torch CUDA tensors of the same type, device and float dtype (no
     promotion here). bias: None or (N,) of that dtype; act: -1 or an id of ``ACTIVATIONS``.
@@ -904,11 +957,53 @@ def _matmul_gpu(
     "simt_v1" etc. out: None, or an array of the result's shape and dtype: written directly when it
     is contiguous and overlaps no input, else through a temporary. pad: large misaligned 16-bit
     problems run on 16-byte aligned copies of the operands (see _PAD_MIN_MACS; chunked_matmul
-    turns it off to stay within its memory budget). The result is allocated with
-    the caller's library on the inputs' device; the launch goes on
-    ``cukit.interop.current_stream(device, torch_involved)``.
+    turns it off to stay within its memory budget). tag: names the calling op in the plan key.
+    check: the calling op's own validation, run on a signature's first call only.
+
+    The result is allocated with the caller's library on the inputs' device; the launch goes on
+    ``cukit.interop.current_stream(device, torch_involved)``. A call whose signature (see
+    ``_plan_key``) was seen before is a plan-cache lookup, an allocation and a launch: it is
+    validated only the first time.
     """
+    forced = kernel if kernel is not None else _FORCED
+    key = None
+    if out is None and pad:
+        key = _plan_key(tag, a, b, bias, act, precision, forced)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            if hasattr(a, "data_ptr"):
+                c = a.new_empty(plan.out_shape)
+                dev = a.get_device()
+                plan.run((a.data_ptr(), b.data_ptr(), c.data_ptr(), 0 if bias is None else bias.data_ptr()),
+                         current_stream(dev, True))
+                return c
+            c = _empty_gpu(plan.out_shape, a, "cupy", a.device.id)
+            plan.run((a.data.ptr, b.data.ptr, c.data.ptr, 0 if bias is None else bias.data.ptr),
+                     current_stream(a.device.id, False))
+            return c
+    if check is not None:
+        check()
+    return _matmul_gpu_slow(a, b, precision=precision, forced=forced, out=out, bias=bias, act=act, pad=pad, key=key)
+
+
+def _matmul_gpu_slow(
+    a: Any,
+    b: Any,
+    *,
+    precision: str,
+    forced: str | None,
+    out: Any,
+    bias: Any,
+    act: int,
+    pad: bool,
+    key: tuple | None,
+) -> Any:
+    """The first call of a signature (validate, build the Gemm, pick and prepare the kernel, cache
+    the plan when it launches on the caller's arrays as they are), and every call with ``out=``,
+    operand copies or padding."""
     kind = "torch" if array_kind(a) == "torch" else "cupy"
+    if array_kind(b) != kind or (bias is not None and array_kind(bias) != kind):
+        raise TypeError(f"_matmul_gpu: operands must be of one array type ({kind})")
     name = _dtype_name(a, kind)
     if name not in FLOAT_DTYPES:
         raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {name}")
@@ -918,7 +1013,11 @@ def _matmul_gpu(
     device = device_of(a)
     if device is None:
         raise ValueError("_matmul_gpu needs CUDA arrays")
+    if device_of(b) != device or (bias is not None and device_of(bias) != device):
+        raise ValueError(f"_matmul_gpu: operands must be on one device (cuda:{device})")
     batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"_matmul_gpu: bias must have shape ({N},); got {tuple(bias.shape)}")
     direct = (
         out is not None
         and tuple(out.shape) == out_shape
@@ -930,9 +1029,9 @@ def _matmul_gpu(
     if M * N * math.prod(batch) > 0:
         a2 = a if a.ndim >= 2 else a[None, :]
         b2 = b if b.ndim >= 2 else b[:, None]
+        bias_in = bias
         if bias is not None:
             bias = _contiguous(bias, kind)
-        forced = kernel if kernel is not None else _FORCED
         args = {
             "batch": batch,
             "M": M,
@@ -957,8 +1056,14 @@ def _matmul_gpu(
             g2, pa, pb = _build_gemm(_pad_operand(a2, kind, device), _pad_operand(b2, kind, device), kind, **args)
             if mod.supports(g2) and mod.uses_tma(g2):
                 g, ka, kb = g2, pa, pb
-        _launch(mod, g, current_stream(device, kind == "torch"), variant)
+        run = _prepare(mod, g, variant)
+        run((g.a, g.b, g.c, g.bias), current_stream(device, kind == "torch"))
+        as_is = g.a == _ptr(a, kind) and g.b == _ptr(b, kind) and (bias is None or g.bias == _ptr(bias_in, kind))
+        if key is not None and as_is and not direct:
+            _PLANS.put(key, _GemmPlan(out_shape, run))
         del ka, kb  # the launch is enqueued: copies may go back to the pool (stream-ordered)
+    elif key is not None:
+        _PLANS.put(key, _GemmPlan(out_shape, _noop_run))
     if out is not None and not direct:
         if kind == "torch":
             out.copy_(c)
@@ -968,13 +1073,27 @@ def _matmul_gpu(
     return c
 
 
+def _noop_run(head: tuple[int, ...], stream: Any) -> None:
+    """The launch of an empty product (M, N or the batch is 0): nothing to compute."""
+
+
 def linear_gpu(
-    x: Any, weight: Any, bias: Any, act: int, *, precision: str = "ieee", kernel: str | None = None
+    x: Any,
+    weight: Any,
+    bias: Any,
+    act: int,
+    *,
+    precision: str = "ieee",
+    kernel: str | None = None,
+    check: Callable[[], Any] | None = None,
 ) -> Any:
-    """``act(x @ weight.T + bias)`` in one GEMM launch (bias/activation epilogue) for validated CUDA
-    arrays. weight (out, in), row-major, is read as B with sb_k = 1, sb_n = in: no copy."""
-    w_t = weight.t() if array_kind(weight) == "torch" else weight.T
-    return _matmul_gpu(x, w_t, precision=precision, kernel=kernel, bias=bias, act=act)
+    """``act(x @ weight.T + bias)`` in one GEMM launch (bias/activation epilogue) for CUDA arrays;
+    validated on a signature's first call. weight (out, in), row-major, is read as B with
+    sb_k = 1, sb_n = in: no copy."""
+    if weight.ndim != 2:
+        raise ValueError(f"linear: weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
+    w_t = weight.t() if hasattr(weight, "data_ptr") else weight.T
+    return _matmul_gpu(x, w_t, precision=precision, kernel=kernel, bias=bias, act=act, tag="linear", check=check)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ this family takes it and :func:`launch` runs it on a stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from cukit._device import sm_count
@@ -27,7 +28,7 @@ from cukit._runtime import KernelModule
 from cukit.interop import DTYPES
 from cukit.ops._gemm import GEMM_SIGNATURE, Gemm
 
-__all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch", "supports"]
+__all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch", "prepare", "supports"]
 
 # Activation ids: -1 (none) and cukit/activations.cuh's (bias_act's ACTIVATIONS).
 ACTS = (-1, 0, 1, 2, 3)
@@ -154,8 +155,13 @@ def _fold(rows: int) -> tuple[int, int]:
     return gy, gz
 
 
-def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = None) -> None:
-    """Run one problem on `stream` (an object with ``.ptr``). version "simt" (fast) or "v1"
+def _noop(head: tuple[int, ...], stream: Any) -> None:
+    """The launch of an empty problem (M, N or the batch is 0)."""
+
+
+def prepare(g: Gemm, *, version: str = "simt", config: str | None = None) -> Callable[..., None]:
+    """A ready launch for every problem of ``g``'s signature, called as
+    ``run((a, b, c, bias), stream)`` with device pointers. version "simt" (fast) or "v1"
     (reference); config "large" / "small" overrides :func:`choose_config`."""
     if not supports(g):
         raise ValueError(f"matmul_simt takes float32 (precision 'ieee') or float64; got {g.dtype} {g.precision}")
@@ -163,18 +169,13 @@ def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = 
         raise ValueError(f"matmul_simt: unknown activation id {g.act}")
     batch = g.batch_count
     if g.M <= 0 or g.N <= 0 or batch <= 0:
-        return
+        return _noop
+    tail = g.kernel_args()[4:]
     if version == "v1":
         gy, gz = min(-(-g.M // V1_TILE), _MAX_GRID_YZ), min(batch, _MAX_GRID_YZ)
-        KERNELS.launch(
-            v1_name(g.dtype.name, g.act),
-            (-(-g.N // V1_TILE), gy, gz),
-            (V1_TILE, V1_TILE),
-            g.kernel_args(),
-            device=g.device,
-            stream=stream,
+        return KERNELS.prepare(
+            v1_name(g.dtype.name, g.act), (-(-g.N // V1_TILE), gy, gz), (V1_TILE, V1_TILE), tail, device=g.device
         )
-        return
     if version != "simt":
         raise ValueError(f"matmul_simt: version must be 'simt' or 'v1'; got {version!r}")
     config = config or choose_config(g)
@@ -187,11 +188,12 @@ def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = 
         raise ValueError(f"matmul_simt: N = {g.N} is too large")
     gy, gz = _fold(batch * -(-g.M // bm))
     a_row, b_row = operand_layouts(g)
-    KERNELS.launch(
-        kernel_name(g.dtype.name, config, a_row, b_row, g.act),
-        (gx, gy, gz),
-        (tile.threads,),
-        g.kernel_args(),
-        device=g.device,
-        stream=stream,
+    return KERNELS.prepare(
+        kernel_name(g.dtype.name, config, a_row, b_row, g.act), (gx, gy, gz), (tile.threads,), tail, device=g.device
     )
+
+
+def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = None) -> None:
+    """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
+    with ``g``'s pointers."""
+    prepare(g, version=version, config=config)((g.a, g.b, g.c, g.bias), stream)

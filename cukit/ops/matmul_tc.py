@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from cukit._device import device_caps
-from cukit._runtime import KernelModule
+from cukit._runtime import KernelModule, Launch
 from cukit.interop import DTYPES
 from cukit.ops._gemm import GEMM_SIGNATURE, Gemm
 
@@ -52,11 +53,14 @@ __all__ = [
     "launch",
     "load_path",
     "operand_layouts",
+    "prepare",
     "route",
     "smem_bytes",
     "supports",
     "tma_if_aligned",
+    "tma_maps",
     "tma_name",
+    "tma_specs",
     "uses_tma",
     "uses_wgmma",
     "wgmma_name",
@@ -358,38 +362,38 @@ def tensor_map(
     return out
 
 
-def _operand_map(
-    dtype: str,
-    sz: int,
-    ptr: int,
-    inner: int,
-    outer: int,
-    ld: int,
-    batch: int,
-    sbatch: int,
-    box: tuple[int, int],
-) -> np.ndarray:
+def _operand_spec(
+    sz: int, inner: int, outer: int, ld: int, batch: int, sbatch: int, box: tuple[int, int]
+) -> tuple[tuple[int, int, int], tuple[int, int], tuple[int, int]]:
+    """(dims, byte strides, box) of one operand's tensor map; only the pointer varies per call."""
     # A leading dimension that is never stepped over (outer <= 1) may be anything: give TMA a
     # valid one. Likewise the batch stride when there is one batch.
     ld_bytes = ld * sz if outer > 1 else -(-inner * sz // 16) * 16
     b_bytes = sbatch * sz if batch > 1 else ld_bytes * outer
-    return tensor_map(dtype, ptr, (inner, outer, batch), (ld_bytes, b_bytes), box)
+    return (inner, outer, batch), (ld_bytes, b_bytes), box
+
+
+def tma_specs(g: Gemm) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
+    """(A's map spec, B's map spec, batch count) for :func:`uses_tma` problems; a spec is
+    (dims, strides, box) as :func:`tensor_map` takes them after the pointer."""
+    nb, sa, sb = tma_batch(g)  # type: ignore[misc]
+    a_k, b_k = operand_layouts(g)
+    sz = g.dtype.itemsize
+    if a_k:
+        spa = _operand_spec(sz, g.K, g.M, g.sa_m, nb, sa, (64, BM))
+    else:
+        spa = _operand_spec(sz, g.M, g.K, g.sa_k, nb, sa, (64, 64))
+    if b_k:
+        spb = _operand_spec(sz, g.K, g.N, g.sb_n, nb, sb, (64, BN))
+    else:
+        spb = _operand_spec(sz, g.N, g.K, g.sb_k, nb, sb, (64, 64))
+    return spa, spb, nb
 
 
 def tma_maps(g: Gemm) -> tuple[np.ndarray, np.ndarray, int]:
     """(map of A, map of B, batch count) for :func:`uses_tma` problems."""
-    nb, sa, sb = tma_batch(g)  # type: ignore[misc]
-    a_k, b_k = operand_layouts(g)
-    name, sz = g.dtype.name, g.dtype.itemsize
-    if a_k:
-        ma = _operand_map(name, sz, g.a, g.K, g.M, g.sa_m, nb, sa, (64, BM))
-    else:
-        ma = _operand_map(name, sz, g.a, g.M, g.K, g.sa_k, nb, sa, (64, 64))
-    if b_k:
-        mb = _operand_map(name, sz, g.b, g.K, g.N, g.sb_n, nb, sb, (64, BN))
-    else:
-        mb = _operand_map(name, sz, g.b, g.N, g.K, g.sb_k, nb, sb, (64, 64))
-    return ma, mb, nb
+    spa, spb, nb = tma_specs(g)
+    return tensor_map(g.dtype.name, g.a, *spa), tensor_map(g.dtype.name, g.b, *spb), nb
 
 
 def _device_caps(device: int) -> tuple[int, int]:
@@ -425,8 +429,44 @@ def supports(g: Gemm) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None) -> None:
-    """Run one problem on `stream` (an object with ``.ptr``). version None or "tc": the kernel
+class _TmaLaunch:
+    """A TMA kernel launch whose tensor maps follow the operands' pointers: each operand keeps the
+    maps of the last few pointers it saw (a training loop cycles through few addresses), so a
+    repeated call encodes nothing."""
+
+    __slots__ = ("a_maps", "b_maps", "dtype", "launch", "spa", "spb")
+    _MAPS_PER_OPERAND = 16
+
+    def __init__(self, launch: Launch, dtype: str, spa: tuple[Any, ...], spb: tuple[Any, ...]) -> None:
+        self.launch, self.dtype, self.spa, self.spb = launch, dtype, spa, spb
+        self.a_maps: dict[int, bytes] = {}
+        self.b_maps: dict[int, bytes] = {}
+
+    def _map(self, maps: dict[int, bytes], spec: tuple[Any, ...], ptr: int) -> bytes:
+        if len(maps) >= self._MAPS_PER_OPERAND:
+            maps.clear()
+        m = maps[ptr] = tensor_map(self.dtype, ptr, *spec).tobytes()  # 128 bytes, as the launch packs them
+        return m
+
+    def __call__(self, head: tuple[int, int, int, int], stream: Any) -> None:
+        a, b, c, bias = head
+        ma = self.a_maps.get(a)
+        if ma is None:
+            ma = self._map(self.a_maps, self.spa, a)
+        mb = self.b_maps.get(b)
+        if mb is None:
+            mb = self._map(self.b_maps, self.spb, b)
+        self.launch((ma, mb, c, bias), stream)
+
+
+def _noop(head: tuple[int, ...], stream: Any) -> None:
+    """The launch of an empty problem (M, N or the batch is 0)."""
+
+
+def prepare(g: Gemm, *, version: str | None = None, load: int | None = None) -> Callable[..., None]:
+    """A ready launch for every problem of ``g``'s signature: call it as
+    ``run((a, b, c, bias), stream)`` with device pointers (those of ``g`` or any other arrays of
+    the same shapes, strides and 16-byte alignment). version None or "tc": the kernel
     :func:`route` picks (TMA, then cp.async wgmma, then mma.sync); "tma", "wgmma", "mma": that one.
     `load` overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one: for
     tests and benchmarks)."""
@@ -439,7 +479,7 @@ def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None
         )
     batch = g.batch_count
     if g.M <= 0 or g.N <= 0 or batch <= 0:
-        return
+        return _noop
     natural = load_path(g)
     if load is None:
         load = natural
@@ -449,20 +489,19 @@ def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None
         )
     kernel = route(g, load, version)
     if kernel == "tma":
-        ma, mb, nb = tma_maps(g)
+        spa, spb, nb = tma_specs(g)
         tiles = -(-g.M // BM) * -(-g.N // BN) * nb
         grid = (min(tiles, device_caps(g.device).sm_count),)
         a_k, b_k = operand_layouts(g)
-        KERNELS_SM90A.launch(
+        run = KERNELS_SM90A.prepare(
             tma_name(g.dtype.name, g.act, a_k, b_k),
             grid,
             (TMA_THREADS,),
-            (ma, mb, g.c, g.bias, g.M, g.N, g.K, nb),
+            (g.M, g.N, g.K, nb),
             device=g.device,
-            stream=stream,
             shared_mem=TMA_SMEM,
         )
-        return
+        return _TmaLaunch(run, g.dtype.name, spa, spb)
     tiles = -(-g.M // BM) * -(-g.N // BN)
     grid = (tiles, 1, min(batch, _MAX_GRID_Z))
     if kernel == "wgmma":
@@ -474,4 +513,10 @@ def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None
             raise ValueError(f"matmul_tc: load path {load} needs more shared memory than the device has")
         a_k, b_k = operand_layouts(g)
         module, name = KERNELS, kernel_name(g.dtype.name, g.act, a_k, b_k, load)
-    module.launch(name, grid, (THREADS,), g.kernel_args(), device=g.device, stream=stream, shared_mem=smem)
+    return module.prepare(name, grid, (THREADS,), g.kernel_args()[4:], device=g.device, shared_mem=smem)
+
+
+def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None) -> None:
+    """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
+    with ``g``'s pointers."""
+    prepare(g, version=version, load=load)((g.a, g.b, g.c, g.bias), stream)
