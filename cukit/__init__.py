@@ -9,18 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from cukit._api import batch_matmul, bias_act, bias_act_backward, linear, matmul
 from cukit._device import device_info, is_available
 from cukit._runtime import KernelCompileError
 from cukit.interop import asarray, to_torch, use_torch_allocator
-from cukit.ops.bias_act import bias_act, bias_act_backward
-from cukit.ops.matmul import (
-    batch_matmul,
-    chunked_matmul,
-    get_matmul_precision,
-    linear,
-    matmul,
-    set_matmul_precision,
-)
+from cukit.ops.matmul import chunked_matmul, get_matmul_precision, set_matmul_precision
 
 __version__ = "0.1.0"
 
@@ -42,7 +35,7 @@ __all__ = [
     "use_torch_allocator",
 ]
 
-_LAZY = {"nn", "optim", "testing", "torch"}  # these import torch or hypothesis: load on first use
+_LAZY = {"nn", "optim", "testing", "torch", "train"}  # these import torch or hypothesis: load on first use
 
 
 def __getattr__(name: str) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -10,6 +11,7 @@ import runpy
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -21,9 +23,28 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+# Modules that declare kernels: importing them completes the loader's registry.
+KERNEL_OWNERS = (
+    "cukit.ops.bias_act",
+    "cukit.ops.matmul_simt",
+    "cukit.ops.matmul_tc",
+    "cukit.ops.repack",
+    "cukit.optim._kernels",
+)
+
+
+def all_modules() -> dict[str, Any]:
+    """Every declared kernel module (``cukit._runtime.KernelModule``) by registry key."""
+    from cukit._runtime import registered_modules
+
+    for owner in KERNEL_OWNERS:
+        importlib.import_module(owner)
+    return registered_modules()
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import cukit
-    from cukit._runtime import all_modules, kernel_dir, nvrtc_version
+    from cukit._runtime import kernel_dir, nvrtc_version
 
     print(f"cukit        {cukit.__version__}")
     print(f"python       {platform.python_version()} ({sys.executable})")
@@ -67,7 +88,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _compile_one(job: tuple[str, str, str]) -> tuple[str, str, str, int, str]:
-    from cukit._runtime import KernelCompileError, all_modules
+    from cukit._runtime import KernelCompileError
 
     name, arch, group = job
     module = all_modules()[name]
@@ -78,8 +99,6 @@ def _compile_one(job: tuple[str, str, str]) -> tuple[str, str, str, int, str]:
 
 
 def cmd_check_kernels(args: argparse.Namespace) -> int:
-    from cukit._runtime import all_modules
-
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     modules = all_modules()
     jobs = [

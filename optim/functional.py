@@ -171,7 +171,7 @@ def adam(
 
     See also: ``torch.optim.adam.adam``.
     """
-    from cukit.optim import Adam
+    from cukit.optim.adam import Adam
 
     _run_adam(Adam, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, (beta1, beta2),
               eps, weight_decay, amsgrad, maximize, max_grad_norm)
@@ -198,7 +198,7 @@ def adamw(
 
     See also: ``torch.optim.adamw.adamw``.
     """
-    from cukit.optim import AdamW
+    from cukit.optim.adam import AdamW
 
     _run_adam(AdamW, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, (beta1, beta2),
               eps, weight_decay, amsgrad, maximize, max_grad_norm)
@@ -222,7 +222,7 @@ def sgd(
 
     See also: ``torch.optim.sgd.sgd``.
     """
-    from cukit.optim import SGD
+    from cukit.optim.sgd import SGD
 
     if momentum != 0 and momentum_buffers is None:
         raise ValueError("momentum_buffers are required when momentum != 0")
@@ -260,7 +260,7 @@ def lion(
 
     See also: ``lion_pytorch.Lion``.
     """
-    from cukit.optim import Lion
+    from cukit.optim.lion import Lion
 
     _run(
         Lion,
@@ -290,7 +290,7 @@ def adagrad(
 
     See also: ``torch.optim.adagrad.adagrad``.
     """
-    from cukit.optim import Adagrad
+    from cukit.optim.adagrad import Adagrad
 
     _run(
         Adagrad,
@@ -320,7 +320,7 @@ def lamb(
     max_grad_norm: float | None = None,
 ) -> None:
     """One LAMB step over lists of tensors; see :class:`cukit.optim.LAMB`."""
-    from cukit.optim import LAMB
+    from cukit.optim.lamb import LAMB
 
     _run(
         LAMB,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cukit import KernelCompileError
+from cukit import KernelCompileError, cli
 from cukit import _runtime as rt
 from cukit.cli import main as cli_main
 
@@ -119,7 +119,7 @@ def test_compile_cache_compiles_each_group_once_per_device(tmp_path: Path, monke
 
 
 def test_every_declared_instantiation_has_a_signature():
-    mods = rt.all_modules()
+    mods = cli.all_modules()
     assert "bias_act.cu" in mods
     for m in mods.values():
         assert m.all_instantiations()
@@ -149,14 +149,14 @@ def test_compile_error_names_file_instantiation_and_log(tmp_path: Path):
 def test_check_kernels_cli_counts_and_fails(tmp_path: Path, capsys, monkeypatch):
     # The CLI over a small registry (`make test` runs the real one over every kernel file).
     good = _module(tmp_path, GOOD)
-    monkeypatch.setattr(rt, "all_modules", lambda: {"good.cu": good})
+    monkeypatch.setattr(cli, "all_modules", lambda: {"good.cu": good})
     assert cli_main(["check-kernels", "--arch", "sm_80,sm_90"]) == 0
     out = capsys.readouterr().out
     assert "compiled 4 instantiations for sm_80,sm_90, 0 failed" in out
     bad_dir = tmp_path / "bad"
     bad_dir.mkdir()
     bad = _module(bad_dir, BAD)
-    monkeypatch.setattr(rt, "all_modules", lambda: {"good.cu": good, "user_kernel.cu": bad})
+    monkeypatch.setattr(cli, "all_modules", lambda: {"good.cu": good, "user_kernel.cu": bad})
     assert cli_main(["check-kernels", "--arch", "sm_80"]) == 1
     err = capsys.readouterr()
     assert "FAIL user_kernel.cu" in err.err and "2 failed" in err.out

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from cukit.ops.bias_act import activation_id
-from cukit.ops.bias_act import bias_act as cukit_bias_act
+from cukit.torch.bias_act import bias_act as cukit_bias_act
 
 __all__ = ["BiasAct"]
 

@@ -1,7 +1,8 @@
 """torch integration: cukit's ops registered with ``torch.library`` (autograd, ``torch.compile``,
 CUDA graphs). Importing this package imports torch and registers every op under
 ``torch.ops.cukit``. The modules are named after the ops (``cukit.torch.bias_act``); the functions
-users call live at the top level (``cukit.bias_act``)."""
+users call live at the top level (``cukit.bias_act``). Every op is registered through the one
+helper, ``cukit/torch/_register.py``."""
 
 from cukit.torch import (
     bias_act,  # noqa: F401  (registers torch.ops.cukit.bias_act*)

@@ -1,13 +1,16 @@
-"""``torch.ops.cukit.bias_act`` and its backward, registered with ``torch.library.custom_op``.
+"""``torch.ops.cukit.bias_act`` and ``torch.ops.cukit.bias_act_backward`` (through the one
+registration helper, ``cukit/torch/_register.py``), and their entry points.
 
-The op is opaque to torch.compile (``register_fake`` gives its output metadata) and differentiable
-(``register_autograd``). CUDA tensors run raw_kernels/bias_act.cu on torch's current stream;
-CPU tensors run the torch reference.
+CUDA tensors run raw_kernels/bias_act.cu on torch's current stream (so CUDA graphs capture them);
+CPU tensors run the torch reference. Under ``torch.autocast`` bias_act behaves as an elementwise
+op: x and bias are cast to the wider of their dtypes.
 
-Dispatch cost: a custom op call goes through torch's dispatcher (and Python-side schema checks),
-which costs a few microseconds more than launching the kernel directly. When no autograd graph is
-needed and nothing is being traced, ``bias_act`` below launches directly; otherwise it calls the
-registered op. ``benchmarks/bench_bias_act.py`` measures both paths against torch's ``x + b``.
+Autograd, to any order:
+- bias_act: ``dx = g * act'(z)``, ``db = sum_rows(dx)`` with ``z = x + bias``: one
+  ``bias_act_backward`` call.
+- bias_act_backward (double backward): with ``h = gdx + gdb`` (the upstream gradients of dx and
+  db, db's broadcast over rows), ``d/dg = h * act'(z)`` (``bias_act_backward`` again) and
+  ``d/dz = h * g * act''(z)`` (torch ops; zero for relu), summed over rows for the bias.
 """
 
 from __future__ import annotations
@@ -15,82 +18,188 @@ from __future__ import annotations
 import torch
 
 from cukit.ops import bias_act as _op
+from cukit.torch._register import DIRECT, DISPATCH, TorchOp, autocast_promote, eager_path
 
-__all__ = ["bias_act"]
+__all__ = ["bias_act", "bias_act_backward"]
 
 
-@torch.library.custom_op("cukit::bias_act", mutates_args=())
-def bias_act_op(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
+# ---------------------------------------------------------------------------------------------
+# cukit::bias_act
+# ---------------------------------------------------------------------------------------------
+
+
+def _bias_act_impl(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
     """y = act(x + bias); see ``cukit.bias_act``."""
-    _, act, _ = _op.validate(x, bias, activation)
     if x.is_cuda:
-        return _op.forward_gpu(x, bias, act)
+        return _op.forward_gpu(x, bias, _op.activation_id(activation))
+    _op.validate(x, bias, activation)
     return _op.reference_torch(x, bias, activation)
 
 
-@bias_act_op.register_fake
 def _bias_act_fake(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
     _op.validate(x, bias, activation)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("cukit::bias_act_backward", mutates_args=())
-def bias_act_backward_op(
+def _bias_act_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    x, bias, activation = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.activation = activation
+
+
+def _bias_act_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+    x, bias = ctx.saved_tensors
+    dx, dbias = bias_act_backward(grad, x, bias, ctx.activation)
+    return (dx if ctx.needs_input_grad[0] else None, dbias if ctx.needs_input_grad[1] else None, None)
+
+
+def _bias_act_vmap(info: torch.library.VmapInfo, in_dims: tuple, x: torch.Tensor, bias: torch.Tensor,
+                   activation: str) -> tuple[torch.Tensor, int]:
+    xd, bd = in_dims[0], in_dims[1]
+    x = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
+    if bd is None:  # one bias for every sample: the kernel as it is, batch in front
+        return bias_act(x, bias, activation), 0
+    # a bias per sample: (B, C) broadcast over each sample's rows (plain torch maths)
+    bias = bias.movedim(bd, 0).reshape(info.batch_size, *([1] * (x.ndim - 2)), x.shape[-1])
+    acc = _op._acc_dtype(x)
+    return _op._torch_act(x.to(acc) + bias.to(acc), activation).to(x.dtype), 0
+
+
+BIAS_ACT = TorchOp(
+    "bias_act",
+    _bias_act_impl,
+    fake=_bias_act_fake,
+    setup_context=_bias_act_setup,
+    backward=_bias_act_bwd,
+    autocast="promote",
+    vmap=_bias_act_vmap,
+)
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor, activation: str = "relu") -> torch.Tensor:
+    """y = act(x + bias) for torch tensors, differentiable; see ``cukit.bias_act``."""
+    path = eager_path(x, bias)
+    if path == DISPATCH:
+        return BIAS_ACT(x, bias, activation)
+    cast = autocast_promote((x, bias), "cuda" if x.is_cuda else "cpu")
+    if cast is not None:
+        x, bias = cast  # type: ignore[assignment]
+    if path == DIRECT:
+        if x.is_cuda:
+            return _op.forward_gpu(x, bias, _op.activation_id(activation))
+        return _bias_act_impl(x, bias, activation)
+    return BIAS_ACT.graph_call(path, x, bias, activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# cukit::bias_act_backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _bwd_impl(
     grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias) = (grad * act'(x + bias), dx summed over all but the last dimension)."""
-    _, act, _ = _op.validate(x, bias, activation)
     if x.is_cuda:
-        return _op.backward_gpu(grad, x, bias, act)
+        return _op.backward_gpu(grad, x, bias, _op.activation_id(activation))
+    kind, _, _ = _op.validate(x, bias, activation)
+    _op._check_grad("bias_act_backward", grad, x, kind)
     return _op.reference_backward_torch(grad, x, bias, activation)
 
 
-@bias_act_backward_op.register_fake
-def _bias_act_backward_fake(
+def _bwd_fake(
     grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    kind, _, _ = _op.validate(x, bias, activation)
+    _op._check_grad("bias_act_backward", grad, x, kind)
     return (
         torch.empty(x.shape, dtype=x.dtype, device=x.device),
         torch.empty(bias.shape, dtype=bias.dtype, device=bias.device),
     )
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
-    x, bias, activation = inputs
-    ctx.save_for_backward(x, bias)
+def _bwd_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    grad, x, bias, activation = inputs
+    ctx.save_for_backward(grad, x, bias)
     ctx.activation = activation
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
-    x, bias = ctx.saved_tensors
-    dx, dbias = bias_act_backward_op(grad, x, bias, ctx.activation)
-    return (
-        dx if ctx.needs_input_grad[0] else None,
-        dbias if ctx.needs_input_grad[1] else None,
-        None,
-    )
+def _act_second_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """act''(z) in torch ops (differentiable again)."""
+    if activation == "relu":
+        return torch.zeros_like(z)
+    if activation == "gelu":  # d/dz [Phi(z) + z phi(z)] = 2 phi(z) - z^2 phi(z)
+        phi = _op._INV_SQRT_2PI * torch.exp(-0.5 * z * z)
+        return phi * (2 - z * z)
+    if activation == "gelu_tanh":
+        c, a = _op._SQRT_2_OVER_PI, 0.044715
+        u = c * (z + a * z * z * z)
+        du = c * (1 + 3 * a * z * z)
+        t = torch.tanh(u)
+        sech2 = 1 - t * t
+        # d/dz [0.5 (1 + t) + 0.5 z sech2 du]
+        return sech2 * du - z * sech2 * t * du * du + 0.5 * z * sech2 * c * 6 * a * z
+    s = torch.sigmoid(z)  # silu: d/dz [s (1 + z (1 - s))] = s (1 - s) (2 + z (1 - 2 s))
+    return s * (1 - s) * (2 + z * (1 - 2 * s))
 
 
-bias_act_op.register_autograd(_backward, setup_context=_setup_context)
+def _bwd_bwd(ctx: torch.autograd.function.FunctionCtx, gdx: torch.Tensor | None, gdb: torch.Tensor | None) -> tuple:
+    grad, x, bias = ctx.saved_tensors
+    act = ctx.activation
+    if gdx is None and gdb is None:
+        return None, None, None, None
+    h = gdb.expand(x.shape) if gdx is None else (gdx if gdb is None else gdx + gdb)  # type: ignore[union-attr]
+    d_grad = d_x = d_bias = None
+    if ctx.needs_input_grad[0]:
+        d_grad = bias_act_backward(h.contiguous(), x, bias, act)[0]
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        acc = _op._acc_dtype(x)
+        z = x.to(acc) + bias.to(acc)
+        dz = h.to(acc) * grad.to(acc) * _act_second_derivative(z, act)
+        if ctx.needs_input_grad[1]:
+            d_x = dz.to(x.dtype)
+        if ctx.needs_input_grad[2]:
+            d_bias = dz.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype)
+    return d_grad, d_x, d_bias, None
 
 
-# Tensor subclasses (FakeTensor, DTensor, functorch wrappers), tracers and dispatch modes
-# (make_fx, FlopCounterMode) must see the op, so they go through the dispatcher.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_current_dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
+def _bwd_vmap(info: torch.library.VmapInfo, in_dims: tuple, grad: torch.Tensor, x: torch.Tensor,
+              bias: torch.Tensor, activation: str) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+    B = info.batch_size
+    gd, xd, bd = in_dims[0], in_dims[1], in_dims[2]
+    grad = grad.movedim(gd, 0) if gd is not None else grad.expand(B, *grad.shape)
+    x = x.movedim(xd, 0) if xd is not None else x.expand(B, *x.shape)
+    C = x.shape[-1]
+    acc = _op._acc_dtype(x)
+    if bd is None:  # the kernel for dx; dbias per sample, not over the whole batch
+        dx, _ = bias_act_backward(grad.contiguous(), x.contiguous(), bias, activation)
+    else:
+        b = bias.movedim(bd, 0).reshape(B, *([1] * (x.ndim - 2)), C)
+        z = x.to(acc) + b.to(acc)
+        dx = (grad.to(acc) * _op._torch_act_grad(z, activation)).to(x.dtype)
+    dbias = dx.to(acc).reshape(B, -1, C).sum(1).to(bias.dtype)
+    return (dx, dbias), (0, 0)
 
 
-def bias_act(x: torch.Tensor, bias: torch.Tensor, activation: str = "relu") -> torch.Tensor:
-    """y = act(x + bias) for torch tensors; see ``cukit.bias_act`` (arguments already validated)."""
-    if (
-        type(x) in _PLAIN
-        and type(bias) in _PLAIN
-        and x.is_cuda
-        and not (torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad))
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and _current_dispatch_mode() is None
-    ):
-        # Direct launch: skips the dispatcher when there is nothing for it to do.
-        return _op.forward_gpu(x, bias, _op.ACTIVATIONS[activation])
-    return bias_act_op(x, bias, activation)
+BIAS_ACT_BACKWARD = TorchOp(
+    "bias_act_backward",
+    _bwd_impl,
+    fake=_bwd_fake,
+    setup_context=_bwd_setup,
+    backward=_bwd_bwd,
+    autocast="promote",
+    vmap=_bwd_vmap,
+)
+
+
+def bias_act_backward(
+    grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, activation: str = "relu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dbias) of bias_act for torch tensors, differentiable (double backward); see
+    ``cukit.bias_act_backward``."""
+    path = eager_path(x, grad, bias)
+    if path == DIRECT:
+        if x.is_cuda:
+            return _op.backward_gpu(grad, x, bias, _op.activation_id(activation))
+        return _bwd_impl(grad, x, bias, activation)
+    return BIAS_ACT_BACKWARD.graph_call(path, grad, x, bias, activation)

@@ -1,23 +1,20 @@
-"""``torch.ops.cukit.matmul`` and ``torch.ops.cukit.linear``, registered with ``torch.library.custom_op``.
+"""``torch.ops.cukit.matmul`` and ``torch.ops.cukit.linear`` (through the one registration helper,
+``cukit/torch/_register.py``), and their entry points.
 
-Both ops are opaque to torch.compile (``register_fake`` gives the output metadata) and
-differentiable (``register_autograd``). CUDA tensors run cukit's GEMM kernels on torch's current
-stream (so they are captured by CUDA graphs); CPU tensors run the torch references.
+CUDA tensors run cukit's GEMM kernels on torch's current stream (so CUDA graphs capture them); CPU
+tensors run the torch references. Under ``torch.autocast`` both run in the autocast dtype, as
+``torch.matmul`` and ``F.linear`` do.
 
-Autograd:
+Autograd (the backward formulas call the entry points below, so they are differentiable again):
 - matmul: ``dA = dC @ B^T``, ``dB = A^T @ dC``, with broadcast batch dimensions summed back to each
   operand's shape and 1-D promotion undone. When an operand is one matrix broadcast over every
   batch (a weight), its gradient is one GEMM over the folded batch instead of a batched product
-  and a sum. The products run through ``cukit.matmul``, so on CUDA they use cukit's kernels (and
-  are differentiable again: double backward works).
+  and a sum.
 - linear: ``dy' = dy * act'(z)``, ``dx = dy' @ W``, ``dW = dy'^T @ x``, ``db = sum_rows dy'``.
   The pre-activation z is not saved (that would cost one more output-sized tensor per layer): for
   gelu/gelu_tanh/silu the backward recomputes ``x @ W^T`` with one GEMM (time instead of memory),
   and ``cukit.bias_act_backward`` then gives dy' and db in one kernel. relu needs no recompute:
   ``act'(z) = (y > 0)`` comes from the saved output.
-
-Dispatch cost: as for bias_act, when no autograd graph is needed and nothing is being traced the
-functions below launch directly, skipping the dispatcher.
 """
 
 from __future__ import annotations
@@ -25,9 +22,15 @@ from __future__ import annotations
 import torch
 
 from cukit.ops import matmul as _op
-from cukit.torch import bias_act as _bias_act  # noqa: F401  (torch.ops.cukit.bias_act_backward)
+from cukit.ops.bias_act import ACTIVATIONS, activation_id
+from cukit.torch._register import DIRECT, DISPATCH, TorchOp, autocast_lower, eager_path
+from cukit.torch.bias_act import bias_act_backward
 
 __all__ = ["linear", "matmul"]
+
+
+def _prec(precision: str | None) -> str:
+    return _op._resolve_precision(precision)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -35,21 +38,25 @@ __all__ = ["linear", "matmul"]
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cukit::matmul", mutates_args=())
-def matmul_op(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+def _matmul_impl(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     """a @ b (numpy.matmul semantics) for tensors of one float dtype; see ``cukit.matmul``."""
     if a.is_cuda:
-        return _op._matmul_gpu(a, b, precision=precision)
+        return _op._matmul_gpu(a, b, precision=precision, check=lambda: _check_pair(a, b))
+    _check_pair(a, b)
     return _op.reference_torch(a, b)
 
 
-@matmul_op.register_fake
+def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+    _op._validate_pair(a, b)
+    _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+
+
 def _matmul_fake(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     _, _, _, _, out_shape = _op.matmul_shape(tuple(a.shape), tuple(b.shape))
     return a.new_empty(out_shape)
 
 
-def _matmul_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+def _matmul_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
     a, b, precision = inputs
     ctx.save_for_backward(a, b)
     ctx.precision = precision
@@ -71,7 +78,7 @@ def _is_one_matrix(shape: tuple[int, ...]) -> bool:
     return all(n == 1 for n in shape[:-2])
 
 
-def _matmul_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+def _matmul_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
     a, b = ctx.saved_tensors
     prec = ctx.precision
     a2 = a.unsqueeze(0) if a.ndim == 1 else a  # (..., M, K)
@@ -87,22 +94,111 @@ def _matmul_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tenso
             # dA[m, k] = sum_{z, n} g[z, m, n] b[z, k, n]: one GEMM with the batch folded into N
             gf = g.movedim(-2, 0).reshape(M, nbatch * N)
             bf = b2.expand((*batch, K, N)).movedim(-2, 0).reshape(K, nbatch * N)
-            da = _op.matmul(gf, bf.t(), precision=prec)
+            da = matmul(gf, bf.t(), precision=prec)
         else:
-            da = _sum_to(_op.matmul(g, b2.mT, precision=prec), tuple(a2.shape))
+            da = _sum_to(matmul(g, b2.mT, precision=prec), tuple(a2.shape))
         da = da.reshape(a.shape)
     if ctx.needs_input_grad[1]:
         if _is_one_matrix(tuple(b2.shape)) and nbatch > 1:
             # dB = sum_z A[z]^T g[z] = A'^T g' with A' (batch * M, K), g' (batch * M, N)
             af = a2.expand((*batch, M, K)).reshape(nbatch * M, K)
-            db = _op.matmul(af.t(), g.reshape(nbatch * M, N), precision=prec)
+            db = matmul(af.t(), g.reshape(nbatch * M, N), precision=prec)
         else:
-            db = _sum_to(_op.matmul(a2.mT, g, precision=prec), tuple(b2.shape))
+            db = _sum_to(matmul(a2.mT, g, precision=prec), tuple(b2.shape))
         db = db.reshape(b.shape)
     return da, db, None
 
 
-matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
+def _matmul_vmap(info: torch.library.VmapInfo, in_dims: tuple, a: torch.Tensor, b: torch.Tensor,
+                 precision: str) -> tuple[torch.Tensor, int]:
+    """vmap of numpy.matmul semantics: the vmapped dimension becomes a leading batch dimension
+    (1-D per-sample operands promoted, and the added axis removed, as matmul does)."""
+    ad, bd = in_dims[0], in_dims[1]
+    sa = a.shape[1:] if ad is not None else a.shape  # per-sample shapes
+    sb = b.shape[1:] if bd is not None else b.shape
+    a = a.movedim(ad, 0) if ad is not None else a
+    b = b.movedim(bd, 0) if bd is not None else b
+    va, vb = len(sa) == 1, len(sb) == 1
+    if va:
+        a = a.unsqueeze(-2)
+    if vb:
+        b = b.unsqueeze(-1)
+    ra, rb = max(len(sa), 2), max(len(sb), 2)
+    rank = max(ra, rb)  # per-sample rank after promotion; the vmapped one gets B in front
+    if ad is not None:
+        a = a.reshape(a.shape[0], *([1] * (rank - ra)), *a.shape[1:])
+    if bd is not None:
+        b = b.reshape(b.shape[0], *([1] * (rank - rb)), *b.shape[1:])
+    out = matmul(a, b, precision=precision)
+    if vb:
+        out = out.squeeze(-1)
+    if va:
+        out = out.squeeze(-1 if vb else -2)
+    return out, 0
+
+
+MATMUL = TorchOp(
+    "matmul",
+    _matmul_impl,
+    fake=_matmul_fake,
+    setup_context=_matmul_setup,
+    backward=_matmul_bwd,
+    autocast="lower",
+    vmap=_matmul_vmap,
+)
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, *, precision: str | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a @ b for torch tensors, differentiable; see ``cukit.matmul``."""
+    if not isinstance(b, torch.Tensor):
+        _op._validate_pair(a, b)  # a clear TypeError for mixed array types
+    path = eager_path(a, b)
+    if path == DISPATCH and out is None and a.dtype == b.dtype:
+        return MATMUL(a, b, _prec(precision))
+    cast = autocast_lower((a, b), "cuda" if a.is_cuda else "cpu")
+    if cast is not None:
+        a, b = cast  # type: ignore[assignment]
+    prec = _prec(precision)
+    if a.dtype != b.dtype or out is not None or a.dtype not in _FLOAT:
+        return _matmul_general(a, b, prec, out, path)
+    if path == DIRECT:
+        return _matmul_impl(a, b, prec)
+    return MATMUL.graph_call(path, a, b, prec)
+
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _matmul_general(a: torch.Tensor, b: torch.Tensor, prec: str, out: torch.Tensor | None, path: int) -> torch.Tensor:
+    """Mixed dtypes (NumPy's promotion), non-float dtypes (torch.matmul on the CPU) and ``out=``."""
+    _op._validate_pair(a, b)
+    _, _, _, _, out_shape = _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+    rdt = _op.result_dtype(_op._dtype_name(a, "torch"), _op._dtype_name(b, "torch"))
+    if out is not None:
+        _op._check_out(out, "torch", _op.device_of(a), out_shape, rdt)
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            raise RuntimeError(
+                "cukit.matmul(): functions with out=... arguments don't support automatic differentiation, "
+                "but one of the arguments requires grad."
+            )
+    dt = getattr(torch, rdt)
+    a, b = a.to(dt), b.to(dt)
+    if rdt not in _op.FLOAT_DTYPES:
+        if a.is_cuda:
+            raise TypeError(f"matmul on the GPU supports {', '.join(_op.FLOAT_DTYPES)}; got {rdt}")
+        if a.is_complex():
+            raise TypeError(f"cukit.matmul supports real dtypes for torch tensors; got {rdt}")
+        r = _op.reference_torch(a, b)  # integers and bool: torch.matmul, differentiable as it is
+    elif out is not None and a.is_cuda and path == DIRECT:
+        return _op._matmul_gpu(a, b, precision=prec, out=out)
+    else:
+        r = matmul(a, b, precision=prec)
+    if out is None:
+        return r
+    out.copy_(r)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,18 +206,23 @@ matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup_contex
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cukit::linear", mutates_args=())
-def linear_op(
+def _act_id(activation: str | None) -> int:
+    return -1 if activation is None else activation_id(activation)
+
+
+def _linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, precision: str
 ) -> torch.Tensor:
     """act(x @ weight.T + bias); see ``cukit.linear``."""
-    _, act = _op._validate_linear(x, weight, bias, activation)
     if x.is_cuda:
-        return _op.linear_gpu(x, weight, bias, act, precision=precision)
+        return _op.linear_gpu(
+            x, weight, bias, _act_id(activation), precision=precision,
+            check=lambda: _op._validate_linear(x, weight, bias, activation),
+        )
+    _op._validate_linear(x, weight, bias, activation)
     return _op.linear_reference_torch(x, weight, bias, activation)
 
 
-@linear_op.register_fake
 def _linear_fake(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, precision: str
 ) -> torch.Tensor:
@@ -129,7 +230,7 @@ def _linear_fake(
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _linear_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+def _linear_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
     x, weight, bias, activation, precision = inputs
     # relu's derivative comes from the output; the others recompute the pre-activation.
     ctx.save_for_backward(x, weight, bias, output if activation == "relu" else None)
@@ -137,7 +238,7 @@ def _linear_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tupl
     ctx.precision = precision
 
 
-def _linear_backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple:
+def _linear_bwd(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple:
     x, weight, bias, y = ctx.saved_tensors
     act, prec = ctx.activation, ctx.precision
     out_f, in_f = weight.shape
@@ -146,85 +247,74 @@ def _linear_backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor)
     if act is None:
         g = dy2
         if bias is not None and ctx.needs_input_grad[2]:
-            db = g.sum(0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32).to(g.dtype)
+            db = g.sum(0)  # torch accumulates 16-bit sums in float32
     else:
         if act == "relu":
             z, zb = y.reshape(-1, out_f), dy2.new_zeros(out_f)  # (y + 0 > 0) == (x W^T + b > 0)
         else:
-            z = _op.matmul(x.reshape(-1, in_f), weight.t(), precision=prec)  # recomputed x W^T
+            z = matmul(x.reshape(-1, in_f), weight.t(), precision=prec)  # recomputed x W^T
             zb = dy2.new_zeros(out_f) if bias is None else bias
-        g, db = torch.ops.cukit.bias_act_backward(dy2, z, zb, act)
+        g, db = bias_act_backward(dy2.contiguous(), z, zb, act)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = _op.matmul(g, weight, precision=prec).reshape(x.shape)
+        dx = matmul(g, weight, precision=prec).reshape(x.shape)
     if ctx.needs_input_grad[1]:
-        dw = _op.matmul(g.t(), x.reshape(-1, in_f), precision=prec)
+        dw = matmul(g.t(), x.reshape(-1, in_f), precision=prec)
     return dx, dw, db if bias is not None and ctx.needs_input_grad[2] else None, None, None
 
 
-linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+def _linear_vmap(info: torch.library.VmapInfo, in_dims: tuple, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, activation: str | None, precision: str) -> tuple[torch.Tensor, int]:
+    xd, wd, bd = in_dims[0], in_dims[1], in_dims[2]
+    x = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
+    if wd is None and bd is None:  # shared parameters: one linear over the folded batch
+        return linear(x, weight, bias, activation, precision=precision), 0
+    # per-sample parameters: a batched product, then bias and activation in plain torch maths
+    B = info.batch_size
+    w = weight.movedim(wd, 0) if wd is not None else weight.expand(B, *weight.shape)
+    xs = x.reshape(B, -1, x.shape[-1])
+    z = matmul(xs, w.mT, precision=precision)
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    z = z.to(acc)
+    if bias is not None:
+        b = bias.movedim(bd, 0) if bd is not None else bias.expand(B, *bias.shape)
+        z = z + b.to(acc).unsqueeze(1)
+    if activation is not None:
+        from cukit.ops.bias_act import _torch_act
+
+        z = _torch_act(z, activation)
+    return z.to(x.dtype).reshape(*x.shape[:-1], w.shape[1]), 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Entry points (arguments validated by cukit.ops.matmul)
-# ---------------------------------------------------------------------------------------------
-
-# Tensor subclasses (FakeTensor, DTensor, functorch wrappers), tracers and dispatch modes
-# (make_fx, FlopCounterMode) must see the ops, so they go through the dispatcher.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_current_dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
-
-
-def _direct(*tensors: torch.Tensor | None) -> bool:
-    """Launch without the dispatcher: plain CUDA tensors, no autograd graph, nothing tracing."""
-    ts = [t for t in tensors if t is not None]
-    return (
-        all(type(t) in _PLAIN for t in ts)
-        and ts[0].is_cuda
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and _current_dispatch_mode() is None
-    )
-
-
-def matmul(
-    a: torch.Tensor, b: torch.Tensor, *, precision: str, out: torch.Tensor | None = None, dtype: str | None = None
-) -> torch.Tensor:
-    """a @ b for validated torch tensors, promoted here to `dtype` (the result dtype, computed when
-    None); see ``cukit.matmul``."""
-    rdt = dtype or _op.result_dtype(_op._dtype_name(a, "torch"), _op._dtype_name(b, "torch"))
-    dt = getattr(torch, rdt)
-    if a.dtype != dt:
-        a = a.to(dt)
-    if b.dtype != dt:
-        b = b.to(dt)
-    if rdt not in _op.FLOAT_DTYPES:
-        if a.is_cuda:
-            raise TypeError(f"matmul on the GPU supports {', '.join(_op.FLOAT_DTYPES)}; got {rdt}")
-        if a.is_complex():
-            raise TypeError(f"cukit.matmul supports real dtypes for torch tensors; got {rdt}")
-        r = _op.reference_torch(a, b)  # integers and bool: torch.matmul, differentiable as it is
-    elif _direct(a, b):
-        return _op._matmul_gpu(a, b, precision=precision, out=out)
-    else:
-        if out is not None and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            raise RuntimeError(
-                "cukit.matmul(): functions with out=... arguments don't support automatic differentiation, "
-                "but one of the arguments requires grad."
-            )
-        r = matmul_op(a, b, precision)
-    if out is None:
-        return r
-    out.copy_(r)
-    return out
+LINEAR = TorchOp(
+    "linear",
+    _linear_impl,
+    fake=_linear_fake,
+    setup_context=_linear_setup,
+    backward=_linear_bwd,
+    autocast="lower",
+    vmap=_linear_vmap,
+)
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, *, precision: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    *,
+    precision: str | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias) for validated torch tensors; see ``cukit.linear``."""
-    if _direct(x, weight, bias):
-        act = -1 if activation is None else _op.ACTIVATIONS[activation]
-        return _op.linear_gpu(x, weight, bias, act, precision=precision)
-    return linear_op(x, weight, bias, activation, precision)
+    """act(x @ weight.T + bias) for torch tensors, differentiable; see ``cukit.linear``."""
+    path = eager_path(x, weight, bias)
+    prec = _prec(precision)
+    if path == DISPATCH:
+        return LINEAR(x, weight, bias, activation, prec)
+    if activation is not None and activation not in ACTIVATIONS:
+        _op._validate_linear(x, weight, bias, activation)  # the error names the accepted values
+    cast = autocast_lower((x, weight, bias), "cuda" if x.is_cuda else "cpu")
+    if cast is not None:
+        x, weight, bias = cast  # type: ignore[assignment]
+    if path == DIRECT:
+        return _linear_impl(x, weight, bias, activation, prec)
+    return LINEAR.graph_call(path, x, weight, bias, activation, prec)

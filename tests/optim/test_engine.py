@@ -80,7 +80,7 @@ def test_table_needs_cuda_tensors() -> None:
 def test_every_declared_kernel_exists_for_every_combo() -> None:
     from cukit.optim import _kernels as k
 
-    from cukit._runtime import all_modules
+    from cukit.cli import all_modules
 
     mods = all_modules()
     for m in (k.ADAM, k.SGD, k.LION, k.LAMB, k.ADAGRAD, k.L2NORM):

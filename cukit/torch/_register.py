@@ -1,0 +1,221 @@
+"""The one registration helper: how a cukit op becomes a torch op.
+
+:class:`TorchOp` takes an op's implementation (CUDA tensors: cukit's kernels; CPU tensors: the
+reference) and its formulas, and registers, once:
+
+- ``torch.ops.cukit.<name>``, a ``torch.library`` custom op (opaque to ``torch.compile``), with
+  its fake implementation (output metadata for tracing), its autograd formula
+  (``setup_context`` + ``backward``), its vmap rule where it has one, and its autocast rule for
+  CUDA and CPU (``"lower"``: floating inputs cast to the autocast dtype, as ``torch.matmul`` and
+  ``F.linear`` do; ``"promote"``: cast to the widest input dtype, as elementwise ops behave);
+- ``TorchOp.Function``, a ``torch.autograd.Function`` built from the same formulas, which eager
+  calls use: the dispatcher round trip of a Python custom op costs more host time than the
+  kernel launch it wraps. It is an old-style Function (``forward(ctx, ...)``): one with a
+  ``setup_context`` binds its arguments with ``inspect.signature`` on every call;
+- ``TorchOp.FunctorchFunction``, the same formulas with ``setup_context`` and the vmap rule, for
+  functorch transforms (``torch.func.vmap`` / ``grad`` / ``jacrev``: per-sample gradients), which
+  torch's custom ops do not support under ``grad``.
+
+Each op's entry point (``cukit/torch/<op>.py``) then picks one of four paths per call:
+
+1. DIRECT launch: plain tensors, no autograd graph to record, nothing tracing (the hot path of
+   inference and of backward passes);
+2. FUNCTION (``Function.apply``): plain tensors that need a graph (eager training);
+3. FUNCTORCH (``FunctorchFunction.apply``): inside functorch transforms;
+4. DISPATCH (``op``, the dispatcher): ``torch.compile``, tensor subclasses, dispatch modes,
+   ``torch.jit`` tracing.
+
+:func:`eager_path` makes that choice in one place, and :func:`autocast_lower` /
+:func:`autocast_promote` apply an autocast rule on the eager paths (the dispatcher applies the
+registered rule itself). Backward formulas call the ops' entry points, so they are
+differentiable again (double backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "DIRECT",
+    "DISPATCH",
+    "FUNCTION",
+    "FUNCTORCH",
+    "TorchOp",
+    "autocast_lower",
+    "autocast_promote",
+    "eager_path",
+]
+
+_LIB = torch.library.Library("cukit", "FRAGMENT")  # the autocast kernels live here
+
+DIRECT, FUNCTION, FUNCTORCH, DISPATCH = 0, 1, 2, 3
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+
+
+def eager_path(*tensors: torch.Tensor | None) -> int:
+    """Which path a call takes (see the module docstring): DIRECT, FUNCTION, FUNCTORCH or
+    DISPATCH. The first tensor must not be None."""
+    if _is_compiling() or _len_dispatch_stack() or torch.jit.is_tracing():
+        return DISPATCH
+    functorch = _functorch_active()
+    grad = _is_grad_enabled()
+    needs = False
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN:
+            return DISPATCH
+        if functorch:
+            continue
+        if grad and t.requires_grad:
+            needs = True
+    if functorch:
+        return FUNCTORCH
+    return FUNCTION if needs else DIRECT
+
+
+def _eligible(t: Any, device_type: str) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype is not torch.float64
+        and t.device.type == device_type
+    )
+
+
+def autocast_lower(tensors: Sequence[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None] | None:
+    """The tensors cast to the autocast dtype when autocast is on for `device_type` (float64 and
+    non-floating tensors are left alone, as torch's autocast does); None when autocast is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dt = torch.get_autocast_dtype(device_type)
+    return [t.to(dt) if t is not None and t.dtype is not dt and _eligible(t, device_type) else t for t in tensors]
+
+
+def autocast_promote(tensors: Sequence[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None] | None:
+    """The tensors cast to the widest floating dtype among them when autocast is on (what an
+    elementwise op does with mixed dtypes); None when autocast is off or nothing changes."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    eligible = [t for t in tensors if t is not None and _eligible(t, device_type)]
+    if len({t.dtype for t in eligible}) <= 1:
+        return None
+    dt = eligible[0].dtype
+    for t in eligible[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return [t.to(dt) if t is not None and _eligible(t, device_type) and t.dtype is not dt else t for t in tensors]
+
+
+AutocastRule = Literal["lower", "promote"] | None
+_RULES: dict[str, Callable[..., Any]] = {"lower": autocast_lower, "promote": autocast_promote}
+
+
+class TorchOp:
+    """One cukit op in torch (see the module docstring).
+
+    Args:
+        name: the op's name in the ``cukit`` namespace (``torch.ops.cukit.<name>``).
+        impl: the implementation, with type annotations (torch infers the op's schema from them);
+            dispatches on the device itself (CUDA: kernels, CPU: reference).
+        fake: output metadata for tracing (same arguments).
+        setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
+            takes it; ``backward`` returns one gradient (or None) per input.
+        autocast: "lower", "promote" or None (see the module docstring); applies to the op's
+            tensor arguments.
+        vmap: a rule as ``torch.library.register_vmap`` takes it, or None (vmap then falls back
+            to torch's per-sample loop, which custom ops do not support: an error).
+
+    See also: ``torch.library.custom_op``, ``torch.autograd.Function``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        impl: Callable[..., Any],
+        *,
+        fake: Callable[..., Any],
+        setup_context: Callable[..., None] | None = None,
+        backward: Callable[..., Any] | None = None,
+        autocast: AutocastRule = None,
+        vmap: Callable[..., Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.impl = impl
+        self.op = torch.library.custom_op(f"cukit::{name}", impl, mutates_args=())
+        self.op.register_fake(fake)
+        if backward is not None:
+            if setup_context is None:
+                raise TypeError(f"TorchOp {name}: backward needs setup_context")
+            self.op.register_autograd(backward, setup_context=setup_context)
+
+            def forward(ctx: Any, *args: Any) -> Any:
+                out = impl(*args)
+                setup_context(ctx, args, out)
+                return out
+
+            self.Function: type[torch.autograd.Function] = type(
+                f"{name}_function",
+                (torch.autograd.Function,),
+                {
+                    "forward": staticmethod(forward),
+                    "backward": staticmethod(backward),
+                    "__doc__": f"Eager autograd for cukit::{name} (the op's own formulas).",
+                },
+            )
+            # the C-level apply: Function.apply's Python wrapper only adds functorch handling,
+            # which the FUNCTION path never needs (FUNCTORCH takes FunctorchFunction)
+            self._function_apply = super(torch.autograd.Function, self.Function).apply  # type: ignore[misc]
+            members: dict[str, Any] = {
+                "forward": staticmethod(impl),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+                "__doc__": f"cukit::{name} under functorch transforms (the op's own formulas and vmap rule).",
+            }
+            if vmap is not None:
+                members["vmap"] = staticmethod(vmap)
+            self.FunctorchFunction: type[torch.autograd.Function] = type(
+                f"{name}_functorch_function", (torch.autograd.Function,), members
+            )
+        if vmap is not None:
+            self.op.register_vmap(vmap)
+        self.autocast = autocast
+        if autocast is not None:
+            self._register_autocast(_RULES[autocast])
+
+    def _register_autocast(self, rule: Callable[..., Any]) -> None:
+        for device_type in ("cuda", "cpu"):
+            key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+            excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+            def kernel(_keyset: Any, *args: Any, _excluded: Any = excluded, _dev: str = device_type) -> Any:
+                # Below this key autocast is off for the call, as in torch's own autocast kernels.
+                idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                cast = rule([args[i] for i in idx], _dev)
+                if cast is not None:
+                    args = list(args)
+                    for i, t in zip(idx, cast, strict=True):
+                        args[i] = t
+                with torch._C._ExcludeDispatchKeyGuard(_excluded):
+                    return self.op._opoverload(*args)
+
+            _LIB.impl(self.name, kernel, key, with_keyset=True)
+
+    def __call__(self, *args: Any) -> Any:
+        """Call the registered op through the dispatcher (every path: autocast, autograd, vmap)."""
+        return self.op(*args)
+
+    def graph_call(self, path: int, *args: Any) -> Any:
+        """The op on the FUNCTION, FUNCTORCH or DISPATCH path (``eager_path``'s answer)."""
+        if path == FUNCTION:
+            return self._function_apply(*args)
+        if path == FUNCTORCH:
+            return self.FunctorchFunction.apply(*args)
+        return self.op(*args)

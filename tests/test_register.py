@@ -1,0 +1,293 @@
+"""The torch layer's one registration helper (``cukit/torch/_register.py``) and what every op gets
+from it: autocast like torch's own ops (CPU here, CUDA on the GPU), second derivatives
+(gradgradcheck in float64), vmap rules, the three call paths; and the launch-plan cache
+(``cukit._runtime.PlanCache``): same signature with new pointers reuses a plan, another shape or
+stride makes a new one, the cache stays bounded.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import cukit.optim  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import cukit  # noqa: E402
+import cukit.nn  # noqa: E402
+from cukit._runtime import PlanCache  # noqa: E402
+from cukit.ops import bias_act as bias_act_op  # noqa: E402
+from cukit.ops import matmul as matmul_op  # noqa: E402
+from cukit.torch import _register as reg  # noqa: E402
+
+
+def torch_cuda() -> bool:
+    return cukit.is_available() and torch.cuda.is_available()
+
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu"]
+TORCH_ACT = {
+    None: lambda z: z,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+cuda = pytest.mark.skipif(not torch_cuda(), reason="needs torch with CUDA and CuPy")
+
+
+def devices() -> list:
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])]
+
+
+# ------------------------------------------------------------------------------------ autocast
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_matmul_and_linear_run_in_the_autocast_dtype(device, dtype):
+    if device == "cpu" and dtype == torch.float16 and not torch.amp.is_autocast_available("cpu"):
+        pytest.skip("no CPU autocast")
+    a = torch.randn(8, 16, device=device)
+    b = torch.randn(16, 4, device=device)
+    w = torch.randn(4, 16, device=device, requires_grad=True)
+    bias = torch.randn(4, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=dtype):
+        assert cukit.matmul(a, b).dtype == torch.matmul(a, b).dtype == dtype
+        for act in ACTS:
+            y = cukit.linear(a, w, bias, act)
+            ref = TORCH_ACT[act](F.linear(a, w, bias))
+            assert y.dtype == dtype, act
+            torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2)
+        # float64 is not autocast (torch leaves it alone too)
+        assert cukit.matmul(a.double(), b.double()).dtype == torch.float64
+        # through the dispatcher (what torch.compile and direct op users reach)
+        assert torch.ops.cukit.matmul(a, b, "ieee").dtype == dtype
+        assert torch.ops.cukit.linear(a, w, bias, "gelu", "ieee").dtype == dtype
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and bias.grad.dtype == torch.float32  # grads in the params' dtype
+
+
+@pytest.mark.parametrize("device", devices())
+def test_autocast_bias_act_promotes_like_an_elementwise_op(device):
+    x = torch.randn(4, 8, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ref = F.gelu(x + b)
+        y = cukit.bias_act(x, b, "gelu")
+        assert y.dtype == ref.dtype == torch.float32
+        assert torch.ops.cukit.bias_act(x, b, "gelu").dtype == torch.float32
+        same = cukit.bias_act(x, b.bfloat16(), "gelu")
+        assert same.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="bias must have x's dtype"):  # outside autocast: strict
+        cukit.bias_act(x, b, "gelu")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_autocast_modules_and_amp_recipe(device):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device)
+    model = cukit.nn.patch(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)))
+    model.load_state_dict(ref.state_dict())
+    model.to(device)
+    x = torch.randn(8, 16, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y, y_ref = model(x), ref(x)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=3e-2, atol=3e-2)
+    # the README's AMP recipe: autocast + GradScaler + cukit.optim, a few steps, loss goes down
+    opt = cukit.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
+    target = torch.randn(8, 4, device=device)
+    losses = []
+    for _ in range(5):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x).float(), target)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+# ------------------------------------------------------------------------- second derivatives
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_gradgradcheck_bias_act(device, activation):
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
+    if activation == "relu":  # keep x + b away from the kink, where finite differences break
+        with torch.no_grad():
+            x += torch.where(x + b > 0, 0.5, -0.5)
+    fn = lambda x, b: cukit.bias_act(x, b, activation)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, b))
+    assert torch.autograd.gradgradcheck(fn, (x, b))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradgradcheck_linear(device, activation, bias):
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
+    if activation == "relu":
+        with torch.no_grad():
+            z = x @ w.T + b
+            x += 0.0 * z.sum()  # keep the draw; relu kinks are measure-zero for random inputs
+    inputs = (x, w, b) if bias else (x, w)
+    fn = lambda x, w, b=None: cukit.linear(x, w, b, activation)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(("sa", "sb"), [((3, 4), (4, 2)), ((2, 3, 4), (4, 5)), ((4,), (2, 4, 3)), ((2, 1, 3, 4), (3, 4, 2))])
+def test_gradgradcheck_matmul(device, sa, sb):
+    torch.manual_seed(3)
+    a = torch.randn(sa, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(sb, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda a, b: cukit.matmul(a, b), (a, b))
+
+
+# ------------------------------------------------------------------------------------- vmap
+@pytest.mark.parametrize("device", devices())
+def test_vmap_rules(device):
+    vmap = torch.func.vmap
+    a = torch.randn(6, 3, 4, device=device)
+    b = torch.randn(6, 4, 5, device=device)
+    w = torch.randn(5, 4, device=device)
+    torch.testing.assert_close(vmap(cukit.matmul)(a, b), torch.matmul(a, b))
+    torch.testing.assert_close(vmap(cukit.matmul, in_dims=(0, None))(a, w.T), torch.matmul(a, w.T))
+    v = torch.randn(6, 4, device=device)  # per-sample 1-D operands
+    torch.testing.assert_close(vmap(cukit.matmul)(v, b), torch.einsum("bk,bkn->bn", v, b))
+    torch.testing.assert_close(vmap(cukit.matmul, in_dims=(None, 0))(w, v), torch.einsum("nk,bk->bn", w, v))
+    bias = torch.randn(5, device=device)
+    for act in ACTS:
+        got = vmap(lambda x: cukit.linear(x, w, bias, act))(a)  # noqa: B023
+        torch.testing.assert_close(got, TORCH_ACT[act](F.linear(a, w, bias)), rtol=1e-5, atol=1e-5)
+    ws = torch.randn(6, 5, 4, device=device)  # per-sample weights
+    got = vmap(lambda x, w: cukit.linear(x, w, bias, "silu"))(a, ws)
+    torch.testing.assert_close(got, F.silu(torch.einsum("bmk,bnk->bmn", a, ws) + bias), rtol=1e-5, atol=1e-5)
+    c = torch.randn(6, 3, 5, device=device)
+    bs = torch.randn(6, 5, device=device)
+    torch.testing.assert_close(vmap(lambda t: cukit.bias_act(t, bias, "gelu"))(c), F.gelu(c + bias))
+    torch.testing.assert_close(vmap(lambda t, b: cukit.bias_act(t, b, "gelu"))(c, bs), F.gelu(c + bs[:, None]))
+    # per-sample gradients through the autograd formulas
+    per_sample = vmap(torch.func.grad(lambda w, x: cukit.linear(x, w, None, "gelu").sum()), in_dims=(None, 0))(w, a)
+    expect = torch.stack([torch.func.grad(lambda w, x: F.gelu(F.linear(x, w)).sum())(w, a[i]) for i in range(6)])
+    torch.testing.assert_close(per_sample, expect, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------- call paths
+def test_eager_path_choice():
+    x = torch.randn(2, 2)
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    assert reg.eager_path(x, None) == reg.DIRECT
+    assert reg.eager_path(x, p) == reg.FUNCTION
+    with torch.no_grad():
+        assert reg.eager_path(x, p) == reg.DIRECT
+    assert torch.func.vmap(lambda t: torch.tensor(reg.eager_path(t)))(x).eq(reg.FUNCTORCH).all()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False):
+        assert reg.eager_path(x) == reg.DISPATCH
+
+
+def test_every_op_registered_through_the_helper():
+    import cukit.torch.bias_act as tb
+    import cukit.torch.matmul as tm
+
+    ops = [tb.BIAS_ACT, tb.BIAS_ACT_BACKWARD, tm.MATMUL, tm.LINEAR]
+    assert {op.name for op in ops} == {"bias_act", "bias_act_backward", "matmul", "linear"}
+    for op in ops:
+        assert isinstance(op, reg.TorchOp)
+        assert hasattr(torch.ops.cukit, op.name)
+        assert op.autocast in ("lower", "promote")
+
+
+def test_bad_input_errors_name_the_function_and_argument():
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        cukit.linear(x, torch.randn(5, 4), None, "tanh")
+    with pytest.raises(TypeError, match="linear: weight must have x's dtype float32; got float64"):
+        cukit.linear(x, torch.randn(5, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="b must be the same array type as a"):
+        cukit.matmul(x, x.numpy())
+    with pytest.raises(TypeError, match="bias must be the same array type as x"):
+        cukit.bias_act(x, x[0].numpy())
+
+
+# --------------------------------------------------------------------------------- plan cache
+def test_plan_cache_is_bounded():
+    c = PlanCache("test", maxsize=16)
+    for i in range(100):
+        c.put(i, i)
+        assert len(c) <= 16
+    assert c.get(99) == 99 and c.get(0) is None
+    assert c.stats()["hits"] == 1 and c.stats()["misses"] == 1
+    c.clear()
+    assert len(c) == 0
+    with pytest.raises(ValueError, match="maxsize must be >= 1"):
+        PlanCache("bad", maxsize=0)
+    assert "matmul" in PlanCache.all_stats()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plan_cache_reuse_and_new_signatures(dtype):
+    plans = matmul_op._PLANS
+    plans.clear()
+    a = torch.randn(64, 32, device="cuda", dtype=dtype)
+    b = torch.randn(32, 48, device="cuda", dtype=dtype)
+    c1 = cukit.matmul(a, b)
+    assert len(plans) == 1 and plans.misses == 1
+    a2, b2 = a.clone(), b.clone() * 2  # new pointers, same signature: the plan is reused
+    c2 = cukit.matmul(a2, b2)
+    assert len(plans) == 1 and plans.hits == 1
+    torch.testing.assert_close(c2.float(), 2 * c1.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(c1.float(), (a.double() @ b.double()).float(), rtol=2e-2, atol=2e-2)
+    cukit.matmul(a[:32], b)  # another shape
+    cukit.matmul(a.T.contiguous().T, b)  # another stride (column-major view)
+    assert len(plans) == 3
+    cukit.matmul(a.T.contiguous().T, b)
+    assert len(plans) == 3
+    # a misaligned pointer is another signature (the kernels pick their load path by alignment)
+    big = torch.randn(64 * 32 + 1, device="cuda", dtype=dtype)
+    am = big[1:].view(64, 32)
+    torch.testing.assert_close(cukit.matmul(am, b).float(), (am.double() @ b.double()).float(), rtol=2e-2, atol=2e-2)
+    assert len(plans) == 4
+    # bounded: many signatures never grow it past maxsize
+    old = plans.maxsize
+    plans.maxsize = 8
+    try:
+        for m in range(1, 40):
+            cukit.matmul(a[:m], b)
+        assert len(plans) <= 8
+    finally:
+        plans.maxsize = old
+    # linear and bias_act plans
+    bias_act_op._FWD_PLANS.clear()
+    x = torch.randn(16, 48, device="cuda", dtype=dtype)
+    bias = torch.randn(48, device="cuda", dtype=dtype)
+    y1 = cukit.bias_act(x, bias, "gelu")
+    y2 = cukit.bias_act(x + 1, bias, "gelu")
+    assert len(bias_act_op._FWD_PLANS) == 1 and bias_act_op._FWD_PLANS.hits == 1
+    torch.testing.assert_close(y2.float(), F.gelu((x + 1).float() + bias.float()), rtol=2e-2, atol=2e-2)
+    assert not torch.equal(y1, y2)
+
+
+@pytest.mark.gpu
+@cuda
+def test_plan_cache_validates_on_first_call_only_for_its_signature():
+    a = torch.randn(8, 4, device="cuda")
+    b = torch.randn(4, 8, device="cuda")
+    cukit.matmul(a, b)
+    with pytest.raises(ValueError, match="same device"):
+        cukit.matmul(a, b.cpu())
+    with pytest.raises(TypeError, match="linear: weight must have x's dtype"):
+        cukit.linear(a, b.T.double())
+    with pytest.raises(ValueError, match="mismatch in its core dimension"):
+        cukit.matmul(a, a)
