@@ -1,0 +1,913 @@
+"""Training steps of real torch models: stock torch against ``cukit.nn.patch`` + ``cukit.optim.AdamW``.
+
+Usage::
+
+    python benchmarks/bench_models.py                              # every model, every setting
+    python benchmarks/bench_models.py --models llama               # one model (results: bench_models-llama.*)
+    python benchmarks/bench_models.py --models mlp,cnn --settings eager-bf16,eager-amp
+    python benchmarks/bench_models.py --steps 60 --budget-s 400    # longer loss curves, tighter budget
+    python benchmarks/bench_models.py --compile-mode max-autotune-no-cudagraphs
+    python benchmarks/bench_models.py --dry-run                    # tiny configs on the CPU (smoke test)
+    python benchmarks/bench_models.py --dry-run --device cuda      # tiny configs on a GPU
+
+Models (``--models``, run in the order given; default ``llama,mlp,cnn,gpt2``, the targets first):
+
+- ``llama``: Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig`` (6 layers, hidden 768,
+  intermediate 2048, 12 heads / 4 KV heads, vocab 32000, ``attn_implementation="sdpa"``), batch
+  8 x 512 tokens, loss from ``labels=input_ids``. Skipped, with a row saying so, when transformers
+  is not importable. Nothing is downloaded: the weights are the config's random initialisation.
+- ``gpt2``: ``GPT2LMHeadModel(GPT2Config())`` (12 layers, 768, 12 heads, vocab 50257, tied
+  embeddings, HF ``Conv1D`` projections), batch 8 x 512, dropout set to 0 (see "loss curves").
+- ``mlp``: the demo's 64-256-256-10 gelu MLP (``cukit.demo.mlp_models``), batch 64.
+- ``cnn``: the demo's 1x8x8 conv 16 -> conv 32 -> linear 10 CNN (``cukit.demo.cnn_models``), batch 64.
+
+Implementations (``impl``), each trained from a deep copy of one model built once per model (same
+initial weights), on the same batches, with the same seed:
+
+- ``torch``: the stock model, ``torch.optim.AdamW(fused=True)``.
+- ``cukit``: ``cukit.nn.patch(copy)`` (every nn.Linear becomes ``cukit.nn.Linear`` and every HF
+  Conv1D ``cukit.nn.Conv1D``, sharing the parameters, a following activation fused where exact;
+  the report is printed once per model) and
+  ``cukit.optim.AdamW``. For the CNN, ``patch`` would only reach the classifier, so its cukit side
+  is the demo's own twin (im2col + ``cukit.matmul`` + ``cukit.bias_act`` convolutions,
+  ``cukit.nn.Linear`` head), as ``cukit demo`` trains it.
+- ``cukit-demo`` (MLP only): the demo's twin (``nn.Linear(bias=False)`` + ``cukit.nn.BiasAct``),
+  beside the patched MLP.
+
+Both optimizers: AdamW, the same lr and weight decay 0.01; parameters without decay are not split out.
+
+Settings (``--settings``): ``eager-bf16``, ``compile-bf16``, ``eager-amp``, ``compile-amp``.
+``bf16`` = pure bfloat16 parameters, gradients and optimizer state; ``amp`` = float32 parameters,
+the forward under ``torch.autocast(dtype=torch.bfloat16)``, backward and step outside it.
+``compile`` = ``torch.compile`` of the module that returns the loss (model + loss function; the
+optimizer step stays eager), with the same options for both sides, after ``torch._dynamo.reset()``.
+
+Step: forward (loss), ``loss.backward()``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``.
+Each step is timed on the host clock between two device synchronisations (a whole step as a
+training loop sees it, host overhead included: the small models are host-bound). The first
+``--warmup`` steps are not timed; every step is in the loss curve.
+
+Columns (``<out>/<name>.json`` / ``.csv``; ``<name>`` is ``bench_models``, or with the models and
+settings appended when a subset runs, so split runs do not overwrite each other):
+
+| column | meaning |
+|---|---|
+| ``model``, ``setting``, ``mode``, ``precision``, ``impl`` | the case (see above) |
+| ``params`` | parameter elements (tied weights counted once); ``cukit_modules``: modules of cukit classes |
+| ``batch``, ``seq``, ``tokens_per_step`` | sequences (samples) and tokens per step (tokens: LMs only) |
+| ``ms`` | median ms per step over the timed steps (``ms_p20``, ``ms_p80``, ``ms_min`` beside it) |
+| ``tokens_per_s``, ``samples_per_s`` | per step / ``ms`` |
+| ``first_step_s`` | wall time of step 1: torch.compile and cukit's NVRTC compiles land here, not in ``ms`` |
+| ``state_mib`` | memory the case holds between steps after warm-up (parameters + optimizer state) |
+| ``peak_mib`` | ``torch.cuda.max_memory_allocated`` over the timed steps minus the allocation at their start (activations, gradients, workspaces: what a step needs above the state) |
+| ``speedup`` | torch ``ms`` / this ``ms``, same setting, same run (> 1: faster than stock) |
+| ``loss_rel_diff`` | max over steps of abs(loss - loss_torch) / abs(loss_torch), same setting |
+| ``noise_floor`` | the same for torch eager against torch compiled at this precision: how far two correct implementations drift apart (different kernels round differently); on every row of that precision |
+| ``within_noise`` | ``loss_rel_diff <= NOISE_MARGIN * noise_floor`` |
+| ``losses`` | the loss curve (JSON list); ``loss_first``, ``loss_last`` |
+| ``error`` | why a case has no numbers (exception, skipped: budget, transformers missing, lost CUDA context) |
+
+Loss curves: the data are fixed before the first case (a Markov-chain token stream over 1024
+tokens for the LMs: learnable, so the curves fall and a wrong gradient shows; Gaussian class
+clusters for the demo models, no scikit-learn needed), and every impl starts from the same
+weights. GPT-2's dropout is set to 0: eager and compiled dropout draw different masks, which would
+swamp the noise floor. The noise floor is one sample of the eager-vs-compiled drift, so the
+within-noise check allows ``NOISE_MARGIN`` times it.
+
+The summary is printed last: the table, then the targets as PASS/FAIL lines ("Llama-style decoder:
+cukit >= 1.0x stock, eager and compiled, autocast and pure bf16; loss curves within the noise
+floor" and "demo MLP/CNN cukit >= 1.0x"), then the failed or skipped cases and where the results
+went. A failing case becomes a row with ``error`` and the run goes on; after an error that loses the
+CUDA context nothing more is launched; a case that would start after ``--budget-s`` (or whose
+predicted duration, from the previous case of the same model and mode, would overrun it) is skipped.
+Results are saved after every model, so a run cut off by a time limit keeps what it finished.
+
+The run's time goes mostly into ``torch.compile`` of the HF models (one cold compile per model,
+setting and impl, each outside the timed steps). Where a call is time-limited, run the models in
+separate calls (``--models llama``, ``--models mlp,cnn``, ``--models gpt2``; each writes its own
+files), and keep ``--budget-s`` under the limit with room for one compile.
+
+``--dry-run``: tiny configs (1-layer Llama/GPT-2 of width 64, batch 2 x 32 tokens; small demo
+models), 4 steps, on the CPU with the "eager" torch.compile backend and one torch thread
+(``--device cuda`` keeps the GPU and inductor); it writes to a new temporary folder unless
+``--out`` is given, so a dry run never overwrites committed results. Numbers from a dry run mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import math
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+try:  # run as a script: benchmarks/ is on sys.path
+    import harness
+except ImportError:  # imported as benchmarks.bench_models from the repository root
+    from benchmarks import harness
+
+NAME = "bench_models"
+MODELS = ("llama", "mlp", "cnn", "gpt2")
+SETTINGS = ("eager-bf16", "compile-bf16", "eager-amp", "compile-amp")
+TARGET_SPEEDUP = 1.0
+NOISE_MARGIN = 2.0
+WEIGHT_DECAY = 0.01
+MIB = 2**20
+
+LLAMA_FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
+                  num_attention_heads=12, num_key_value_heads=4)
+LLAMA_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2)
+GPT2_TINY = dict(vocab_size=256, n_embd=64, n_layer=1, n_head=4, n_positions=64, bos_token_id=255,
+                 eos_token_id=255)
+LM_SHAPE, LM_SHAPE_DRY = (8, 512), (2, 32)  # (batch, tokens per sequence)
+LM_LR = 6e-4  # GPT-2's; the demo models keep the demo's 1e-3
+DEMO_LR = 1e-3
+DEMO_BATCH = 64  # the demo's default mini-batch
+DEMO_ACTIVATION = "gelu"  # the demo's default
+MLP_SIZES, MLP_SIZES_DRY = (64, 256, 256, 10), (64, 64, 64, 10)
+CNN_CHANNELS, CNN_CHANNELS_DRY = (16, 32), (4, 8)
+MARKOV_TOKENS = 1024  # the LM data use this many distinct tokens
+MARKOV_NOISE = 0.25  # probability that a token is drawn at random instead of following its successor
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    """Everything a run depends on; built from the command line by :func:`config_from_args`."""
+
+    device: str = "cuda"
+    models: tuple[str, ...] = MODELS
+    settings: tuple[str, ...] = SETTINGS
+    steps: int = 40
+    warmup: int = 5
+    budget_s: float = 450.0  # no case starts after this (0: none); room for one compile under a 10-min call
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    dry_run: bool = False
+    seed: int = 0
+    out: str | None = None
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """The options every torch.compile call of the run gets (cukit and stock alike)."""
+        kw: dict[str, Any] = {"backend": self.compile_backend}
+        if self.compile_mode:
+            kw["mode"] = self.compile_mode
+        return kw
+
+
+def _csv_list(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise SystemExit(f"{NAME}: --{what} takes a comma-separated subset of {','.join(allowed)}; got {text!r}")
+    return tuple(dict.fromkeys(items))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None,
+                   help="results folder (default benchmarks/results/; a new temporary folder with --dry-run; "
+                        "'-' saves nothing)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help=f"comma-separated subset of {','.join(SETTINGS)}")
+    p.add_argument("--steps", type=int, default=None, help="training steps per case (default 40; dry run 4)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 5; dry run 1)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no case after this many seconds (default 450; dry run: none)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
+                   "the CPU dry run uses 'eager')")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, the same for both sides")
+    p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
+    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = Config(out=args.out, seed=args.seed,
+                 models=_csv_list(args.models, MODELS, "models"),
+                 settings=_csv_list(args.settings, SETTINGS, "settings"))
+    if args.dry_run:
+        cfg = replace(cfg, device="cpu", steps=4, warmup=1, budget_s=0.0, compile_backend="eager", dry_run=True)
+        if args.device is not None and args.device.startswith("cuda"):
+            cfg = replace(cfg, compile_backend="inductor")
+    if args.device is not None:
+        cfg = replace(cfg, device=args.device)
+    if args.steps is not None:
+        cfg = replace(cfg, steps=args.steps)
+    if args.warmup is not None:
+        cfg = replace(cfg, warmup=args.warmup)
+    if args.budget_s is not None:
+        cfg = replace(cfg, budget_s=args.budget_s)
+    if args.compile_backend is not None:
+        cfg = replace(cfg, compile_backend=args.compile_backend)
+    if args.compile_mode is not None:
+        cfg = replace(cfg, compile_mode=args.compile_mode)
+    if cfg.steps < 2:
+        raise SystemExit(f"{NAME}: --steps must be >= 2")
+    return replace(cfg, warmup=max(0, min(cfg.warmup, cfg.steps - 1)))
+
+
+def results_name(cfg: Config) -> str:
+    """``bench_models`` for the full run, with the models / settings appended for a subset."""
+    parts = [NAME]
+    if set(cfg.models) != set(MODELS):
+        parts.append("-".join(cfg.models))
+    if set(cfg.settings) != set(SETTINGS):
+        parts.append("-".join(cfg.settings))
+    return "-".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class ModelUnavailable(RuntimeError):
+    """A model cannot be built here (transformers missing): its rows say so, the run goes on."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except Exception as e:
+        raise ModelUnavailable(
+            f"skipped: transformers is not importable ({harness.short_error(e, 100)}); "
+            "pip install transformers to run the Hugging Face models"
+        ) from e
+    with contextlib.suppress(Exception):
+        transformers.logging.set_verbosity_error()  # config warnings would bury the summary
+    return transformers
+
+
+def cukit_patch(model: Any) -> Any:
+    """``cukit.nn.patch(model)`` in place; no stand-in when it is missing: the comparison would be void."""
+    import cukit.nn
+
+    patch = getattr(cukit.nn, "patch", None)
+    if patch is None:
+        raise RuntimeError("cukit.nn.patch is not available: this benchmark compares stock torch against "
+                           "cukit.nn.patch(model) (issue 9) and uses no stand-in")
+    out = patch(model, inplace=True)
+    return model if out is None else out
+
+
+def count_params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def count_cukit_modules(model: Any) -> int:
+    return sum(1 for m in model.modules() if type(m).__module__.split(".")[0] == "cukit")
+
+
+def _loss_wrappers() -> tuple[type, type]:
+    """The modules that return the loss: what gets compiled, so the loss is inside the graph."""
+    torch = _torch()
+    nn, F = torch.nn, torch.nn.functional
+
+    class CausalLMLoss(nn.Module):
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: Any) -> Any:
+            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    class ClassifierLoss(nn.Module):
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: Any, y: Any) -> Any:
+            return F.cross_entropy(self.model(x).float(), y)
+
+    return CausalLMLoss, ClassifierLoss
+
+
+@dataclass
+class Workload:
+    """One model: how to build each impl's fresh copy, its loss module, its data, its learning rate."""
+
+    name: str
+    title: str
+    builders: dict[str, Callable[[], Any]]  # impl -> a fresh float32 model on the device
+    wrap: Callable[[Any], Any]  # model -> module whose forward(*batch) returns the loss
+    batches: list[tuple[Any, ...]]  # one per step
+    lr: float
+    batch: int
+    seq: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    report_printed: bool = False
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        return self.batch * self.seq if self.seq else None
+
+    def batches_for(self, precision: str) -> list[tuple[Any, ...]]:
+        """The batches with floating inputs in bfloat16 for pure-bf16 runs (token ids unchanged)."""
+        torch = _torch()
+        if precision != "bf16":
+            return self.batches
+        return [tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in b) for b in self.batches]
+
+
+def markov_tokens(steps: int, batch: int, seq: int, vocab: int, seed: int, device: str) -> list[tuple[Any]]:
+    """Token batches from a fixed random successor table over ``MARKOV_TOKENS`` tokens spread over
+    the vocabulary, with ``MARKOV_NOISE`` random tokens: a model learns it within tens of steps, so
+    the loss curve has a slope to compare (random uniform tokens would sit at ln(vocab))."""
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    k = min(vocab, MARKOV_TOKENS)
+    tokens = torch.randperm(vocab, generator=g)[:k]
+    succ = torch.randperm(k, generator=g)
+    n = steps * batch
+    ids = torch.empty(n, seq, dtype=torch.long)
+    ids[:, 0] = torch.randint(k, (n,), generator=g)
+    noise = torch.rand(n, seq, generator=g) < MARKOV_NOISE
+    rand = torch.randint(k, (n, seq), generator=g)
+    for t in range(1, seq):
+        ids[:, t] = torch.where(noise[:, t], rand[:, t], succ[ids[:, t - 1]])
+    data = tokens[ids].view(steps, batch, seq).to(device)
+    return [(data[i],) for i in range(steps)]
+
+
+def gaussian_classes(steps: int, batch: int, features: int, classes: int, seed: int,
+                     device: str) -> list[tuple[Any, Any]]:
+    """Batches of (x, y): x = the class mean + unit noise, means N(0, 1) in `features` dims."""
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed + 1)
+    means = torch.randn(classes, features, generator=g)
+    y = torch.randint(classes, (steps, batch), generator=g)
+    x = means[y] + torch.randn(steps, batch, features, generator=g)
+    x, y = x.to(device), y.to(device)
+    return [(x[i], y[i]) for i in range(steps)]
+
+
+def _seeded_on_device(cfg: Config, build: Callable[[], Any]) -> Any:
+    torch = _torch()
+    torch.manual_seed(cfg.seed)
+    with torch.device(cfg.device):
+        return build()
+
+
+def _patched_copy(base: Any) -> Callable[[], Any]:
+    return lambda: cukit_patch(copy.deepcopy(base))
+
+
+def build_llama(cfg: Config) -> Workload:
+    tf = _transformers()
+    batch, seq = LM_SHAPE_DRY if cfg.dry_run else LM_SHAPE
+    dims = LLAMA_TINY if cfg.dry_run else LLAMA_FULL
+    config = tf.LlamaConfig(**dims, attn_implementation="sdpa", use_cache=False, loss_type="ForCausalLM")
+    base = _seeded_on_device(cfg, lambda: tf.LlamaForCausalLM(config))
+    lm_loss, _ = _loss_wrappers()
+    d = dims
+    return Workload(
+        name="llama",
+        title=(f"Llama-style decoder (HF LlamaForCausalLM, {d['num_hidden_layers']} layers x {d['hidden_size']}, "
+               f"ffn {d['intermediate_size']}, {d['num_attention_heads']}/{d['num_key_value_heads']} heads, "
+               f"vocab {d['vocab_size']}, sdpa), {batch} x {seq} tokens"),
+        builders={"torch": lambda: copy.deepcopy(base), "cukit": _patched_copy(base)},
+        wrap=lm_loss,
+        batches=markov_tokens(cfg.steps, batch, seq, d["vocab_size"], cfg.seed, cfg.device),
+        lr=LM_LR, batch=batch, seq=seq,
+        meta={"config": {k: v for k, v in config.to_dict().items() if not isinstance(v, dict)},
+              "transformers": tf.__version__},
+    )
+
+
+def build_gpt2(cfg: Config) -> Workload:
+    tf = _transformers()
+    batch, seq = LM_SHAPE_DRY if cfg.dry_run else LM_SHAPE
+    tiny = GPT2_TINY if cfg.dry_run else {}
+    config = tf.GPT2Config(**tiny, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+                           use_cache=False, loss_type="ForCausalLM")
+    base = _seeded_on_device(cfg, lambda: tf.GPT2LMHeadModel(config))
+    lm_loss, _ = _loss_wrappers()
+    return Workload(
+        name="gpt2",
+        title=(f"GPT-2 small shapes (HF GPT2LMHeadModel, {config.n_layer} layers x {config.n_embd}, "
+               f"{config.n_head} heads, vocab {config.vocab_size}, dropout 0, sdpa), {batch} x {seq} tokens"),
+        builders={"torch": lambda: copy.deepcopy(base), "cukit": _patched_copy(base)},
+        wrap=lm_loss,
+        batches=markov_tokens(cfg.steps, batch, seq, config.vocab_size, cfg.seed, cfg.device),
+        lr=LM_LR, batch=batch, seq=seq,
+        meta={"config": {k: v for k, v in config.to_dict().items() if not isinstance(v, dict)},
+              "transformers": tf.__version__},
+    )
+
+
+def build_mlp(cfg: Config) -> Workload:
+    from cukit import demo
+
+    sizes = MLP_SIZES_DRY if cfg.dry_run else MLP_SIZES
+    stock, twin = demo.mlp_models(sizes, DEMO_ACTIVATION, device=cfg.device, seed=cfg.seed)
+    _, cls_loss = _loss_wrappers()
+    return Workload(
+        name="mlp",
+        title=f"demo MLP {'-'.join(map(str, sizes))} {DEMO_ACTIVATION}, batch {DEMO_BATCH}",
+        builders={"torch": lambda: copy.deepcopy(stock), "cukit": _patched_copy(stock),
+                  "cukit-demo": lambda: copy.deepcopy(twin)},
+        wrap=cls_loss,
+        batches=gaussian_classes(cfg.steps, DEMO_BATCH, sizes[0], sizes[-1], cfg.seed, cfg.device),
+        lr=DEMO_LR, batch=DEMO_BATCH,
+        meta={"sizes": list(sizes), "cukit-demo": "nn.Linear(bias=False) + cukit.nn.BiasAct (cukit.demo.mlp_models)"},
+    )
+
+
+def build_cnn(cfg: Config) -> Workload:
+    from cukit import demo
+
+    channels = CNN_CHANNELS_DRY if cfg.dry_run else CNN_CHANNELS
+    stock, twin = demo.cnn_models(DEMO_ACTIVATION, channels=channels, device=cfg.device, seed=cfg.seed)
+    _, cls_loss = _loss_wrappers()
+    return Workload(
+        name="cnn",
+        title=(f"demo CNN 1x8x8, conv3x3 {'-'.join(map(str, channels))}, linear 10, {DEMO_ACTIVATION}, "
+               f"batch {DEMO_BATCH}"),
+        builders={"torch": lambda: copy.deepcopy(stock), "cukit": lambda: copy.deepcopy(twin)},
+        wrap=cls_loss,
+        batches=gaussian_classes(cfg.steps, DEMO_BATCH, 64, 10, cfg.seed, cfg.device),
+        lr=DEMO_LR, batch=DEMO_BATCH,
+        meta={"channels": list(channels),
+              "cukit": "the demo's twin: unfold + cukit.matmul + cukit.bias_act convs, cukit.nn.Linear head"},
+    )
+
+
+BUILDERS: dict[str, Callable[[Config], Workload]] = {
+    "llama": build_llama, "gpt2": build_gpt2, "mlp": build_mlp, "cnn": build_cnn,
+}
+IMPLS: dict[str, tuple[str, ...]] = {
+    "llama": ("torch", "cukit"), "gpt2": ("torch", "cukit"), "mlp": ("torch", "cukit", "cukit-demo"),
+    "cnn": ("torch", "cukit"),
+}
+
+
+def make_optimizer(impl: str, params: list[Any], lr: float) -> Any:
+    torch = _torch()
+    if impl == "torch":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=True)
+    import cukit.optim
+
+    return cukit.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """State of one run: configuration, rows, failures, budget bookkeeping."""
+
+    cfg: Config
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    t0: float = field(default_factory=time.perf_counter)
+    fatal: str | None = None
+    case_s: dict[tuple[str, str], float] = field(default_factory=dict)  # last duration per (model, mode)
+
+    @property
+    def cuda(self) -> bool:
+        return self.cfg.device.startswith("cuda")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def skip_reason(self, estimate_s: float = 0.0) -> str | None:
+        """Why a case should not start: a lost CUDA context, or the budget (spent, or overrun by
+        the case's predicted duration)."""
+        if self.fatal:
+            return f"skipped: CUDA context unusable after an earlier error ({self.fatal[:120]})"
+        budget = self.cfg.budget_s
+        if budget and self.elapsed() > budget:
+            return f"skipped: time budget of {budget:.0f} s spent"
+        if budget and self.elapsed() + estimate_s > budget:
+            return f"skipped: predicted {estimate_s:.0f} s would overrun the {budget:.0f} s budget"
+        return None
+
+    def fail(self, row: dict[str, Any], exc: BaseException | str) -> None:
+        msg = exc if isinstance(exc, str) else harness.short_error(exc)
+        row["error"] = msg
+        self.failures.append(f"{row.get('model')} {row.get('setting', '')} {row.get('impl', '')}: {msg}")
+        if isinstance(exc, BaseException):
+            if harness.is_fatal_cuda_error(exc):
+                self.fatal = msg
+            if "out of memory" in msg.lower():
+                release_memory(self.cuda)
+
+
+def release_memory(cuda: bool) -> None:
+    """Hand the last case's blocks back to the device (gc first: compiled graphs hold cycles). On the
+    CPU there is no cache to empty, and a collection per case would dominate a dry run."""
+    if cuda:
+        gc.collect()
+        _torch().cuda.empty_cache()
+
+
+def _configure_dynamo() -> None:
+    """Recompile limits up: a case hitting dynamo's cache limit would silently fall back to eager."""
+    torch = _torch()
+    cfg = torch._dynamo.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
+                            ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+            if hasattr(cfg, name):
+                with contextlib.suppress(Exception):
+                    setattr(cfg, name, value)
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        _torch().cuda.synchronize()
+
+
+def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any]) -> None:
+    """Train one (model, setting, impl) for ``cfg.steps`` steps; fill `row` with its numbers."""
+    torch = _torch()
+    cfg = b.cfg
+    mode, precision = setting.split("-")
+    device_type = torch.device(cfg.device).type
+    mem0 = torch.cuda.memory_allocated() if b.cuda else 0
+    torch.manual_seed(cfg.seed)
+    model = work.builders[impl]()
+    if impl.startswith("cukit"):
+        report = getattr(model, "cukit_patch_report", None)
+        if report is not None and not work.report_printed:
+            print(f"  cukit.nn.patch report ({work.name}):\n    " + str(report).replace("\n", "\n    "), flush=True)
+            b.meta.setdefault("patch_reports", {})[work.name] = str(report)
+            work.report_printed = True
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    loss_module = work.wrap(model).train()
+    row["params"] = count_params(loss_module)
+    row["cukit_modules"] = count_cukit_modules(loss_module)
+    opt = make_optimizer(impl, list(loss_module.parameters()), work.lr)
+    fn = loss_module
+    if mode == "compile":
+        torch._dynamo.reset()  # no guards, caches or recompile counts carried over from the last case
+        fn = torch.compile(loss_module, **cfg.compile_kwargs())
+    batches = work.batches_for(precision)
+    losses = torch.empty(cfg.steps, dtype=torch.float32, device=cfg.device)
+
+    def autocast() -> Any:
+        if precision == "amp":
+            return torch.autocast(device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    times_ms: list[float] = []
+    base_mem = 0
+    for i in range(cfg.steps):
+        if i == cfg.warmup and b.cuda:  # state settled: params, optimizer state; grads are None
+            torch.cuda.synchronize()
+            base_mem = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        _sync(b.cuda)
+        t0 = time.perf_counter()
+        with autocast():
+            loss = fn(*batches[i])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses[i] = loss.detach()
+        _sync(b.cuda)
+        times_ms.append((time.perf_counter() - t0) * 1e3)
+        del loss
+    timed = sorted(times_ms[cfg.warmup:])
+    curve = [float(v) for v in losses.tolist()]
+    ms = statistics.median(timed)
+    row.update(
+        ms=ms, ms_p20=_quantile(timed, 0.2), ms_p80=_quantile(timed, 0.8), ms_min=timed[0],
+        timed_steps=len(timed), first_step_s=times_ms[0] / 1e3,
+        samples_per_s=work.batch * 1e3 / ms,
+        tokens_per_s=work.tokens_per_step * 1e3 / ms if work.tokens_per_step else None,
+        loss_first=curve[0], loss_last=curve[-1], losses=curve,
+    )
+    if b.cuda:
+        row["state_mib"] = (base_mem - mem0) / MIB
+        row["peak_mib"] = (torch.cuda.max_memory_allocated() - base_mem) / MIB
+    if not all(math.isfinite(v) for v in curve):
+        row["note"] = "non-finite loss"
+    del fn, opt, loss_module, model, losses, batches
+    if mode == "compile":
+        torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
+
+
+def _quantile(s: Sequence[float], q: float) -> float:
+    if not s:
+        return math.nan
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def loss_rel_diff(a: Sequence[float] | None, ref: Sequence[float] | None) -> float | None:
+    """max_i |a_i - ref_i| / |ref_i|; inf when a curve has a non-finite value; None without both curves."""
+    if not a or not ref or len(a) != len(ref):
+        return None
+    worst = 0.0
+    for x, r in zip(a, ref, strict=True):
+        if not (math.isfinite(x) and math.isfinite(r)):
+            return math.inf
+        worst = max(worst, abs(x - r) / max(abs(r), 1e-12))
+    return worst
+
+
+def compare_setting(rows: list[dict[str, Any]]) -> None:
+    """speedup and loss_rel_diff of every row of one (model, setting) against its torch row."""
+    ref = next((r for r in rows if r["impl"] == "torch" and r.get("ms")), None)
+    if ref is None:
+        return
+    for r in rows:
+        if r.get("ms"):
+            r["speedup"] = ref["ms"] / r["ms"]
+            r["loss_rel_diff"] = loss_rel_diff(r.get("losses"), ref.get("losses"))
+
+
+def noise_floors(rows: list[dict[str, Any]]) -> None:
+    """Per precision of one model: torch eager against torch compiled, written on every row of it,
+    and each row's within-noise verdict."""
+    for precision in ("bf16", "amp"):
+        sel = [r for r in rows if r.get("precision") == precision]
+        curves = {r["mode"]: r.get("losses") for r in sel if r["impl"] == "torch" and r.get("losses")}
+        floor = loss_rel_diff(curves.get("compile"), curves.get("eager"))
+        for r in sel:
+            r["noise_floor"] = floor
+            d = r.get("loss_rel_diff")
+            if r["impl"] != "torch" and d is not None and floor is not None:
+                r["within_noise"] = bool(d <= NOISE_MARGIN * floor)
+
+
+def run_model(b: Bench, name: str) -> list[dict[str, Any]]:
+    """Every selected setting and impl of one model; never raises for a failing case."""
+    cfg = b.cfg
+    settings = sorted(cfg.settings, key=lambda s: (s.startswith("compile"), SETTINGS.index(s)))  # eager first
+    rows = [{"model": name, "setting": s, "mode": s.split("-")[0], "precision": s.split("-")[1], "impl": i}
+            for s in settings for i in IMPLS[name]]
+    reason = b.skip_reason()
+    work: Workload | None = None
+    if reason is None:
+        try:
+            work = BUILDERS[name](cfg)
+        except ModelUnavailable as e:
+            reason = str(e)
+        except Exception as e:
+            reason = f"building the model failed: {harness.short_error(e)}"
+            if harness.is_fatal_cuda_error(e):
+                b.fatal = reason
+    if work is None:
+        for r in rows:
+            b.fail(r, reason or "skipped")
+        return rows
+    print(f"\n{work.title}", flush=True)
+    b.meta.setdefault("models", {})[name] = {"title": work.title, **work.meta}
+    for s in settings:
+        srows = [r for r in rows if r["setting"] == s]
+        for row in srows:
+            row.update(batch=work.batch, seq=work.seq, tokens_per_step=work.tokens_per_step,
+                       steps=cfg.steps, warmup=cfg.warmup)
+            mode = row["mode"]
+            reason = b.skip_reason(b.case_s.get((name, mode), 0.0))
+            if reason:
+                b.fail(row, reason)
+                continue
+            t0 = time.perf_counter()
+            try:
+                train_case(b, work, s, row["impl"], row)
+                _progress(row)
+            except Exception as e:
+                b.fail(row, e)
+                print(f"  {name:5s} {s:12s} {row['impl']:10s} ERROR {row['error'][:120]}", flush=True)
+                if mode == "compile":
+                    with contextlib.suppress(Exception):
+                        _torch()._dynamo.reset()
+            b.case_s[(name, mode)] = time.perf_counter() - t0
+            release_memory(b.cuda)
+        compare_setting(srows)
+    noise_floors(rows)
+    del work
+    release_memory(b.cuda)
+    return rows
+
+
+def _progress(r: dict[str, Any]) -> None:
+    tok = f"  {r['tokens_per_s'] / 1e3:8.1f}K tok/s" if r.get("tokens_per_s") else ""
+    mem = f"  peak +{r['peak_mib']:.0f} MiB" if r.get("peak_mib") is not None else ""
+    print(f"  {r['model']:5s} {r['setting']:12s} {r['impl']:10s} {r['ms']:9.3f} ms/step{tok}  "
+          f"first step {r['first_step_s']:.1f} s{mem}  loss {r['loss_first']:.4g} -> {r['loss_last']:.4g}",
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+
+TABLE_COLUMNS: list[str | tuple[str, str]] = [
+    "model", "setting", "impl", ("ms", "ms/step"), ("tokens_per_s", "tok/s"), ("first_step_s", "1st step s"),
+    ("peak_mib", "peak MiB"), ("speedup", "torch/this"), ("loss_rel_diff", "loss diff"),
+    ("noise_floor", "noise floor"), ("within_noise", "in noise"), ("cukit_modules", "cukit mods"), "error",
+]
+_FMT = {"error": lambda v: "" if v is None else str(v)[:60]}
+
+
+def _fmt_x(v: Any) -> str:
+    return f"{v:.2f}x" if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+
+def _fmt_e(v: Any) -> str:
+    return f"{v:.1e}" if isinstance(v, (int, float)) and v is not None else "-"
+
+
+def target_lines(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
+    """The targets as PASS/FAIL lines, with the numbers behind each verdict."""
+    out: list[str] = []
+    settings = [s for s in SETTINGS if s in cfg.settings]
+    partial = "" if len(settings) == len(SETTINGS) else f" (only {','.join(settings)} selected)"
+
+    def cukit_row(model: str, setting: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["model"] == model and r["setting"] == setting and r["impl"] == "cukit"),
+                    None)
+
+    head = ("Llama-style decoder: cukit >= 1.0x stock, eager and compiled, autocast and pure bf16; "
+            "loss curves within the noise floor")
+    if "llama" not in cfg.models:
+        out.append(f"  [n/a ] {head}: llama not selected")
+    else:
+        speed, loss, ok = [], [], True
+        for s in settings:
+            r = cukit_row("llama", s) or {}
+            sp, d, fl, within = r.get("speedup"), r.get("loss_rel_diff"), r.get("noise_floor"), r.get("within_noise")
+            ok &= isinstance(sp, float) and sp >= TARGET_SPEEDUP and within is True
+            speed.append(f"{s} {_fmt_x(sp)}")
+            loss.append(f"{s} {_fmt_e(d)} vs {_fmt_e(fl)} {'ok' if within else 'NO' if within is False else '-'}")
+        out.append(f"  [{'PASS' if ok else 'FAIL'}] {head}{partial}")
+        out.append("      speed (torch ms / cukit ms): " + ", ".join(speed))
+        out.append(f"      loss (max rel diff cukit vs torch | torch eager vs compiled, allowed {NOISE_MARGIN:g}x): "
+                   + ", ".join(loss))
+    head = "demo MLP/CNN cukit >= 1.0x"
+    demo_models = [m for m in ("mlp", "cnn") if m in cfg.models]
+    if not demo_models:
+        out.append(f"  [n/a ] {head}: mlp and cnn not selected")
+    else:
+        parts, ok = [], True
+        for m in demo_models:
+            vals = []
+            for s in settings:
+                sp = (cukit_row(m, s) or {}).get("speedup")
+                ok &= isinstance(sp, float) and sp >= TARGET_SPEEDUP
+                vals.append(f"{s} {_fmt_x(sp)}")
+            parts.append(f"{m}: " + ", ".join(vals))
+        miss = [m for m in ("mlp", "cnn") if m not in demo_models]
+        extra = f" ({', '.join(miss)} not selected)" if miss else ""
+        out.append(f"  [{'PASS' if ok else 'FAIL'}] {head}{partial}{extra}")
+        out.extend(f"      {p}" for p in parts)
+    return out
+
+
+def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
+    """The headline, printed last (the device tool returns only the end of the output)."""
+    cfg = b.cfg
+    print()
+    print("=" * 110)
+    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run: numbers mean nothing)'} | torch {env.get('torch')} | "
+          f"transformers {b.meta.get('transformers')} | commit {str(env.get('git_commit'))[:12]} | "
+          f"{b.elapsed():.0f} s")
+    print(f"{cfg.steps} steps per case ({cfg.warmup} untimed), torch.compile {cfg.compile_kwargs()}; "
+          "torch: torch.optim.AdamW(fused=True); cukit: cukit.nn.patch + cukit.optim.AdamW")
+    harness.print_table(b.rows, TABLE_COLUMNS, formatters=_FMT,
+                        title="\nms/step: median over timed steps; torch/this > 1: faster than stock; "
+                              "loss diff / noise floor: max relative loss-curve difference")
+    notes = [f"{r['model']} {r['setting']} {r['impl']}: {r['note']}" for r in b.rows if r.get("note")]
+    torch_params = {(r["model"], r["setting"]): r.get("params") for r in b.rows if r["impl"] == "torch"}
+    for r in b.rows:  # patch must share parameters: a different count means a weight was copied or untied
+        p0 = torch_params.get((r["model"], r["setting"]))
+        if r["impl"] == "cukit" and r["model"] != "cnn" and r.get("params") and p0 and r["params"] != p0:
+            notes.append(f"{r['model']} {r['setting']} cukit: {r['params']} parameter elements vs torch's {p0} "
+                         "(did patch untie a shared weight?)")
+    for n in notes:
+        print(f"note: {n}")
+    print("\ntargets:")
+    for line in target_lines(b.rows, cfg):
+        print(line)
+    harness.print_outcome(b.failures, saved)
+
+
+def loss_plot_points(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per (row, step) for the loss-curve plot."""
+    return [{"model": r["model"], "precision": r["precision"], "series": f"{r['impl']} {r['mode']}",
+             "step": i, "loss": v}
+            for r in rows if r.get("losses") for i, v in enumerate(r["losses"])]
+
+
+def save(b: Bench, env: dict[str, Any], out: str | None, final: bool) -> list[str]:
+    """JSON + CSV (after every model and at the end), the loss-curve plot at the end."""
+    if out == "-":
+        return []
+    name = results_name(b.cfg)
+    meta = {**b.meta, "config": {k: v for k, v in vars(b.cfg).items()}, "failures": b.failures,
+            "elapsed_s": b.elapsed(), "complete": final,
+            "targets": {"speedup": TARGET_SPEEDUP, "noise_margin": NOISE_MARGIN}}
+    paths = [str(p) for p in harness.save_results(b.rows, name, out, env=env, meta=meta)]
+    if final:
+        from pathlib import Path
+
+        png = harness.plot(loss_plot_points(b.rows), Path(out or harness.DEFAULT_OUT) / f"{name}.png",
+                           x="step", y="loss", series="series", panels=("model", "precision"), logx=False,
+                           xlabel="step", ylabel="training loss",
+                           title=f"loss curves: {env.get('gpu') or 'CPU dry run'}")
+        if png is not None:
+            paths.append(str(png))
+    return paths
+
+
+def run(cfg: Config) -> Bench:
+    """Every selected model; never raises for a failing case."""
+    torch = _torch()
+    if cfg.dry_run and cfg.out is None:  # a dry run never writes over committed results
+        cfg = replace(cfg, out=tempfile.mkdtemp(prefix=f"{NAME}-dry-"))
+    b = Bench(cfg)
+    with contextlib.suppress(Exception):
+        import transformers
+
+        b.meta["transformers"] = transformers.__version__
+    if any(s.startswith("compile") for s in cfg.settings):
+        _configure_dynamo()
+    env = harness.environment()
+    print(f"{NAME}: {env.get('gpu') or cfg.device} | torch {torch.__version__} | models {','.join(cfg.models)} | "
+          f"settings {','.join(cfg.settings)} | {cfg.steps} steps | compile {cfg.compile_kwargs()} | "
+          f"budget {cfg.budget_s:.0f} s", flush=True)
+    saved: list[str] = []
+    for name in cfg.models:
+        try:
+            b.rows.extend(run_model(b, name))
+        except Exception as e:  # a bug in the runner itself: recorded, the run goes on
+            row = {"model": name, "setting": "-", "impl": "-"}
+            b.fail(row, e)
+            b.rows.append(row)
+        try:
+            saved = save(b, env, cfg.out, final=False)
+        except Exception as e:
+            b.failures.append(f"saving results: {harness.short_error(e)}")
+    try:
+        saved = save(b, env, cfg.out, final=True)
+    except Exception as e:
+        b.failures.append(f"saving results: {harness.short_error(e)}")
+    print_summary(b, env, saved)
+    return b
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(cfg: Config) -> Iterator[None]:
+    """One torch thread for a CPU run: tiny ops gain nothing from more, and on a busy host OpenMP
+    threads spinning at barriers stall every op. Restored after (the tests share the process)."""
+    torch = _torch()
+    threads = torch.get_num_threads()
+    if not cfg.device.startswith("cpu"):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; 0 when the run completed (failed cases are reported, not fatal)."""
+    cfg = config_from_args(parse_args(argv))
+    if cfg.device.startswith("cuda") and not harness.cuda_available():
+        print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    with _one_cpu_thread(cfg):
+        run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
