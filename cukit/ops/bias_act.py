@@ -204,7 +204,7 @@ def _key(tag: str, act: int, *arrays: Any) -> tuple:
     for t in arrays:
         if type(t) is np.ndarray:
             raise TypeError("bias_act: the GPU path needs CuPy arrays or torch CUDA tensors; got a NumPy array")
-    return (tag, act, *((t.shape, t.strides, t.dtype, getattr(t, "device", None), t.data.ptr & 15) for t in arrays))
+    return (tag, act, *((t.shape, t.strides, t.dtype, t.device.id, t.data.ptr & 15) for t in arrays))
 
 
 class _FwdPlan:

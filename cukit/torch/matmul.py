@@ -78,9 +78,21 @@ def _is_one_matrix(shape: tuple[int, ...]) -> bool:
     return all(n == 1 for n in shape[:-2])
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor, prec: str) -> torch.Tensor:
+    """A product inside a backward formula: the kernel straight away when nothing records or
+    traces it (a backward without create_graph), else the differentiable entry point."""
+    if a.dtype == b.dtype and a.is_cuda and eager_path(a, b) == DIRECT:
+        return _op._matmul_gpu(a, b, precision=prec)
+    return matmul(a, b, precision=prec)
+
+
 def _matmul_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
     a, b = ctx.saved_tensors
     prec = ctx.precision
+    if a.ndim == 2 and b.ndim == 2:  # the common case, without the batch bookkeeping
+        da = _mm(grad, b.mT, prec) if ctx.needs_input_grad[0] else None
+        db = _mm(a.mT, grad, prec) if ctx.needs_input_grad[1] else None
+        return da, db, None
     a2 = a.unsqueeze(0) if a.ndim == 1 else a  # (..., M, K)
     b2 = b.unsqueeze(-1) if b.ndim == 1 else b  # (..., K, N)
     batch, M, K, N, _ = _op.matmul_shape(tuple(a.shape), tuple(b.shape))
@@ -94,17 +106,17 @@ def _matmul_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) ->
             # dA[m, k] = sum_{z, n} g[z, m, n] b[z, k, n]: one GEMM with the batch folded into N
             gf = g.movedim(-2, 0).reshape(M, nbatch * N)
             bf = b2.expand((*batch, K, N)).movedim(-2, 0).reshape(K, nbatch * N)
-            da = matmul(gf, bf.t(), precision=prec)
+            da = _mm(gf, bf.t(), prec)
         else:
-            da = _sum_to(matmul(g, b2.mT, precision=prec), tuple(a2.shape))
+            da = _sum_to(_mm(g, b2.mT, prec), tuple(a2.shape))
         da = da.reshape(a.shape)
     if ctx.needs_input_grad[1]:
         if _is_one_matrix(tuple(b2.shape)) and nbatch > 1:
             # dB = sum_z A[z]^T g[z] = A'^T g' with A' (batch * M, K), g' (batch * M, N)
             af = a2.expand((*batch, M, K)).reshape(nbatch * M, K)
-            db = matmul(af.t(), g.reshape(nbatch * M, N), precision=prec)
+            db = _mm(af.t(), g.reshape(nbatch * M, N), prec)
         else:
-            db = _sum_to(matmul(a2.mT, g, precision=prec), tuple(b2.shape))
+            db = _sum_to(_mm(a2.mT, g, prec), tuple(b2.shape))
         db = db.reshape(b.shape)
     return da, db, None
 
@@ -252,14 +264,14 @@ def _linear_bwd(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> t
         if act == "relu":
             z, zb = y.reshape(-1, out_f), dy2.new_zeros(out_f)  # (y + 0 > 0) == (x W^T + b > 0)
         else:
-            z = matmul(x.reshape(-1, in_f), weight.t(), precision=prec)  # recomputed x W^T
+            z = _mm(x.reshape(-1, in_f), weight.t(), prec)  # recomputed x W^T
             zb = dy2.new_zeros(out_f) if bias is None else bias
         g, db = bias_act_backward(dy2.contiguous(), z, zb, act)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = matmul(g, weight, precision=prec).reshape(x.shape)
+        dx = _mm(g, weight, prec).reshape(x.shape)
     if ctx.needs_input_grad[1]:
-        dw = matmul(g.t(), x.reshape(-1, in_f), precision=prec)
+        dw = _mm(g.t(), x.reshape(-1, in_f), prec)
     return dx, dw, db if bias is not None and ctx.needs_input_grad[2] else None, None, None
 
 
