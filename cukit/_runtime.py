@@ -508,11 +508,11 @@ class Launch:
             ctypes.memmove(base_addr + o, raw, len(raw))
 
     def __call__(self, head: tuple[Any, ...], stream: Any) -> None:
-        import cupy
-
-        if cupy.cuda.runtime.getDevice() == self.device:
+        if _get_device() == self.device:
             self._launch(head, stream)
         else:  # a kernel runs in its device's context: switch for tensors on another GPU
+            import cupy
+
             with cupy.cuda.Device(self.device):
                 self._launch(head, stream)
 
@@ -548,6 +548,15 @@ class Launch:
 
     def __repr__(self) -> str:
         return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.smem}, device={self.device})"
+
+
+def _get_device() -> int:
+    """CUDA's current device (``cudaGetDevice``), the function looked up once."""
+    global _get_device
+    import cupy
+
+    _get_device = cupy.cuda.runtime.getDevice
+    return _get_device()
 
 
 _B128 = np.dtype((np.void, 128))

@@ -215,24 +215,30 @@ def current_stream(device: int | None, torch_involved: bool) -> Any:
 
     Returns an object with a ``.ptr`` attribute, as ``cupy.RawKernel.__call__(stream=...)`` wants.
     """
+    if torch_involved and device is not None:
+        raw = _RAW_STREAM[0]
+        if raw is None:
+            import torch
+
+            raw = _RAW_STREAM[0] = torch._C._cuda_getCurrentRawStream  # an int, no Stream object built
+        cached = _EXTERNAL.get((raw(device), device))
+        if cached is not None:
+            return cached
     import cupy
 
     if torch_involved:
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, no Stream object built
-        ptr = raw(device) if raw is not None and device is not None else None
-        cached = _EXTERNAL.get((ptr, device)) if ptr is not None else None
-        if cached is None:
-            # Wrapping costs a few µs; torch hands out few distinct streams, so keep one wrapper
-            # per (stream pointer, device): the legacy default stream is 0 on every device. The
-            # wrapper holds the torch stream, so the pointer stays valid.
-            stream = torch.cuda.current_stream(device)
-            cached = _EXTERNAL[(stream.cuda_stream, device)] = cupy.cuda.Stream.from_external(stream)
+        # Wrapping costs a few µs; torch hands out few distinct streams, so keep one wrapper per
+        # (stream pointer, device): the legacy default stream is 0 on every device. The wrapper
+        # holds the torch stream, so the pointer stays valid.
+        stream = torch.cuda.current_stream(device)
+        cached = _EXTERNAL[(stream.cuda_stream, device)] = cupy.cuda.Stream.from_external(stream)
         return cached
     return cupy.cuda.get_current_stream(device)
 
 
+_RAW_STREAM: list[Any] = [None]  # torch._C._cuda_getCurrentRawStream, looked up on first use
 _EXTERNAL: dict[tuple[int, int | None], Any] = {}
 
 

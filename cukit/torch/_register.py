@@ -150,6 +150,10 @@ class TorchOp:
         self.name = name
         self.impl = impl
         self.op = torch.library.custom_op(f"cukit::{name}", impl, mutates_args=())
+        # CUDA tensors reach `impl` straight from the dispatcher's CUDA key (what compiled graphs
+        # call): custom_op's own default kernel wraps every call in dynamo-disabling and aliasing
+        # checks, several µs of host time per op.
+        _LIB.impl(name, impl, "CUDA")
         self.op.register_fake(fake)
         if backward is not None:
             if setup_context is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from cukit.ops import bias_act as _op_bias_act
 from cukit.ops import matmul as _op
 from cukit.ops.bias_act import ACTIVATIONS, activation_id
 from cukit.torch._register import DIRECT, DISPATCH, TorchOp, autocast_lower, eager_path
@@ -255,24 +256,28 @@ def _linear_bwd(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> t
     act, prec = ctx.activation, ctx.precision
     out_f, in_f = weight.shape
     dy2 = dy.reshape(-1, out_f)
+    # one decision for the whole backward: kernels straight away unless it is recorded or traced
+    direct = dy.is_cuda and dy.dtype == weight.dtype and eager_path(dy, x, weight, bias) == DIRECT
+    mm = (lambda a, b: _op._matmul_gpu(a, b, precision=prec)) if direct else (lambda a, b: _mm(a, b, prec))
+    needs = ctx.needs_input_grad
     db = None
     if act is None:
         g = dy2
-        if bias is not None and ctx.needs_input_grad[2]:
+        if bias is not None and needs[2]:
             db = g.sum(0)  # torch accumulates 16-bit sums in float32
     else:
         if act == "relu":
             z, zb = y.reshape(-1, out_f), dy2.new_zeros(out_f)  # (y + 0 > 0) == (x W^T + b > 0)
         else:
-            z = _mm(x.reshape(-1, in_f), weight.t(), prec)  # recomputed x W^T
+            z = mm(x.reshape(-1, in_f), weight.t())  # recomputed x W^T
             zb = dy2.new_zeros(out_f) if bias is None else bias
-        g, db = bias_act_backward(dy2.contiguous(), z, zb, act)
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        dx = _mm(g, weight, prec).reshape(x.shape)
-    if ctx.needs_input_grad[1]:
-        dw = _mm(g.t(), x.reshape(-1, in_f), prec)
-    return dx, dw, db if bias is not None and ctx.needs_input_grad[2] else None, None, None
+        if direct:
+            g, db = _op_bias_act.backward_gpu(dy2.contiguous(), z, zb, ACTIVATIONS[act])
+        else:
+            g, db = bias_act_backward(dy2.contiguous(), z, zb, act)
+    dx = mm(g, weight).reshape(x.shape) if needs[0] else None
+    dw = mm(g.t(), x.reshape(-1, in_f)) if needs[1] else None
+    return dx, dw, db if bias is not None and needs[2] else None, None, None
 
 
 def _linear_vmap(info: torch.library.VmapInfo, in_dims: tuple, x: torch.Tensor, weight: torch.Tensor,
