@@ -3,7 +3,8 @@
 //   matmul_tc_wgmma  Hopper's wgmma fed by cp.async (sm_90a only): 16-bit, A and B both K-major,
 //                    any alignment (it runs misaligned x @ W.T);
 //   matmul_tc_tma    Hopper's wgmma fed by the TMA engine, warp-specialised, persistent (sm_90a
-//                    only): 16-bit, any layout, 16-byte aligned rows (see its section below).
+//                    only): 16-bit, any layout, 16-byte aligned rows, block tiles of 128 x 256
+//                    or 128 x 128 (see its section below).
 // Host side, variant choice and the Gemm contract: cukit/ops/matmul_tc.py and cukit/ops/_gemm.py.
 //
 //   C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n])
@@ -845,8 +846,12 @@ __device__ __forceinline__ u64 desc128(u32 addr) {
          (static_cast<u64>(1) << 62);
 }
 
-template <typename T> struct Wgmma;
-template <> struct Wgmma<__nv_bfloat16> {
+// wgmma.mma_async m64nNk16 (N = 256 or 128; fp32 accumulators d[N / 2] per thread of the
+// warpgroup: d[4 i + r] holds columns 8 i + 2 t (+1) of rows g (r < 2) and g + 8 (r >= 2) of its
+// warp's 16 rows), A and B from shared memory by descriptor; TA, TB: the transpose bits
+// (MN-major operand).
+template <typename T, int N = 256> struct Wgmma;
+template <> struct Wgmma<__nv_bfloat16, 256> {
   template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("{\n"
@@ -858,7 +863,7 @@ template <> struct Wgmma<__nv_bfloat16> {
 #endif
   }
 };
-template <> struct Wgmma<__half> {
+template <> struct Wgmma<__half, 256> {
   template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("{\n"
@@ -866,6 +871,31 @@ template <> struct Wgmma<__half> {
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, %130, %131;\n"
                  "}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
+#endif
+  }
+};
+
+template <> struct Wgmma<__nv_bfloat16, 128> {
+  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[64], u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, %66, %67;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
+#endif
+  }
+};
+template <> struct Wgmma<__half, 128> {
+  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[64], u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, %66, %67;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "l"(da), "l"(db), "n"(TA), "n"(TB));
 #endif
   }
@@ -881,12 +911,12 @@ __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-template <int N> __device__ __forceinline__ void wg_wait(float (&d)[128]) {
+template <int N, int R> __device__ __forceinline__ void wg_wait(float (&d)[R]) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");  // accumulators are live here
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");  // accumulators are live here
 }
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1048,22 +1078,28 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 // ============================================================================================
 // sm_90a: TMA + warp-specialised wgmma, 16-bit, any operand layout, 16-byte aligned rows.
 //
-// 288 threads: warpgroups 0 and 1 consume (each 64 x 256 of the 128 x 256 tile, wgmma
-// m64n256k16 straight from shared memory), warp 8 produces: one thread issues the bulk tensor
-// copies (cp.async.bulk.tensor, the TMA engine) of every k-tile into a 4-stage ring. Stage s has
-// a "full" mbarrier (the producer's arrive.expect_tx; the copy engine completes the bytes) and an
-// "empty" one (each consumer warp arrives once the wgmmas that read the stage have completed),
-// so loads never wait on a CTA-wide barrier and run up to 4 k-tiles ahead of the MMAs, across
-// tile boundaries. Persistent: CTA b takes tiles b, b + gridDim.x, ... (grouped raster), so the
-// producer fills the next tile's stages while the consumers run the epilogue.
+// Two block-tile widths, template BN (cukit/ops/matmul_tc.py's tma_tile_n picks one per problem
+// by a wave-quantisation model): 128 x 256 (the default: fewer bytes per FLOP) and 128 x 128
+// (twice the tiles: fuller last waves on medium shapes, e.g. 8192 x 768 = 192 tiles of 128 x 256
+// on 132 SMs is 1.45 waves, 384 tiles of 128 x 128 are 2.9).
+//
+// 288 threads: warpgroups 0 and 1 consume (each 64 x BN of the 128 x BN tile, wgmma m64nBNk16
+// straight from shared memory), warp 8 produces: one thread issues the bulk tensor copies
+// (cp.async.bulk.tensor, the TMA engine) of every k-tile into an S-stage ring (Cfg<BN>: 4 stages
+// of 48 KiB for BN = 256, 6 of 32 KiB for BN = 128: as many as fit beside the epilogue staging).
+// Stage s has a "full" mbarrier (the producer's arrive.expect_tx; the copy engine completes the
+// bytes) and an "empty" one (each consumer warp arrives once the wgmmas that read the stage have
+// completed), so loads never wait on a CTA-wide barrier and run up to S k-tiles ahead of the
+// MMAs, across tile boundaries. Persistent: CTA b takes tiles b, b + gridDim.x, ... (grouped
+// raster), so the producer fills the next tile's stages while the consumers run the epilogue.
 //
 // The tensor maps (cukit/ops/matmul_tc.py encodes them with cuTensorMapEncodeTiled) are 3-D:
 // (contiguous dim, other dim, batch), 128-byte swizzle, out-of-bounds boxes zero-filled (any M,
 // N, K: the edges need no predication). Box per operand and k-tile of 64 elements of K:
 //   K-major A (row-major):     {64 k, 128 m}        -> 128 rows of 128 bytes
 //   M-major A (A^T row-major): 2 x {64 m, 64 k}     -> 2 blocks of 64 k-rows x 128 bytes
-//   K-major B (B^T row-major, nn.Linear's weight): {64 k, 256 n}
-//   N-major B (row-major):     4 x {64 n, 64 k}
+//   K-major B (B^T row-major, nn.Linear's weight): {64 k, BN n}
+//   N-major B (row-major):     BN / 64 x {64 n, 64 k}
 // wgmma reads K-major tiles with the descriptor of desc128 (k16 step j: +32 bytes) and MN-major
 // ones with the transpose bit, leading byte offset 8 KiB (next 64 elements of M/N) and stride
 // byte offset 1 KiB (next 8 k-rows); k16 step j: +2 KiB.
@@ -1076,12 +1112,33 @@ struct __align__(64) Map {  // a CUtensorMap, opaque, passed by value (__grid_co
   u64 v[16];
 };
 
-constexpr int S = 4;                    // ring stages
 constexpr int THREADS = 288;            // 2 consumer warpgroups + 1 producer warp
 constexpr int CONSUMER_WARPS = 8;       // each arrives on "empty" once per stage
-constexpr int A_BYTES = tc::A_TILE;     // 16 KiB
-constexpr int B_BYTES = tc::B_TILE;     // 32 KiB
-constexpr int STAGE = A_BYTES + B_BYTES;
+constexpr int A_BYTES = tc::A_TILE;     // 16 KiB: 128 rows (M) x 128 bytes (K)
+constexpr int SMEM_MAX = 227 * 1024;    // opt-in shared memory per block (sm_90)
+constexpr int ALIGN = 1024;             // 128-byte-swizzled tiles start on 1024-byte boundaries
+
+// Epilogue staging (store_tile_staged): per consumer warpgroup 64 rows x 128 columns of T.
+constexpr int OUT_ROW = 128 * 2 + 8;   // staging row stride (bytes): fragment writes 2-way conflicted at most
+constexpr int OUT_BYTES = 64 * OUT_ROW;  // one warpgroup's staging buffer
+
+// Everything that depends on the block-tile width. Dynamic shared memory of a launch: SMEM
+// (cukit/ops/matmul_tc.py's TMA_SMEM[BN] computes the same), laid out as the ring (S stages,
+// A then B), the two staging buffers, S "full" and S "empty" mbarriers, and up to 1 KiB lost to
+// aligning the ring.
+template <int BN> struct Cfg {
+  static_assert(BN == 256 || BN == 128, "TMA block tiles are 128 x 256 or 128 x 128");
+  static constexpr int B_BYTES = BN * tc::KB;       // 32 / 16 KiB
+  static constexpr int STAGE = A_BYTES + B_BYTES;   // 48 / 32 KiB
+  static constexpr int FIT = (SMEM_MAX - 2 * OUT_BYTES - ALIGN) / (STAGE + 16);
+  static constexpr int S = FIT < 8 ? FIT : 8;       // ring stages: 4 / 6
+  static constexpr int SMEM = S * STAGE + 2 * OUT_BYTES + 16 * S + ALIGN;
+  static constexpr int ACC = BN / 2;                // fp32 accumulators per consumer thread
+  static constexpr int HALVES = BN / 128;           // epilogue passes of 64 x 128 per warpgroup
+  static constexpr int GROUP_M = tc::GROUP_M;       // raster: tile rows swept per column of tiles
+  static_assert(S >= 3 && SMEM <= SMEM_MAX, "the ring does not fit in shared memory");
+  static_assert(STAGE % ALIGN == 0 && A_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
+};
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -1123,28 +1180,27 @@ template <bool KMAJ> __device__ __forceinline__ u64 desc(u32 base, int j) {
   return KMAJ ? tcw::desc128(base + 32 * j) : desc_mn(base + 2048 * j);
 }
 
-// Tile t of the flattened (batch, tile) index: grouped raster within a batch.
+// Tile t of the flattened (batch, tile) index, tiles of 128 x BN (tiles_n = ceil(N / BN)): grouped
+// raster within a batch, Cfg<BN>::GROUP_M tile rows per column of tiles.
+template <int BN>
 __device__ __forceinline__ void tile_coords(long long t, int tiles_m, int tiles_n, int& z, int& tm, int& tn) {
+  constexpr int GM = Cfg<BN>::GROUP_M;
   const long long tiles = static_cast<long long>(tiles_m) * tiles_n;
   z = static_cast<int>(t / tiles);
   const int r = static_cast<int>(t - static_cast<long long>(z) * tiles);
-  const int group = tc::GROUP_M * tiles_n;
-  const int first_m = (r / group) * tc::GROUP_M;
-  const int gsz = min(tiles_m - first_m, tc::GROUP_M);
+  const int group = GM * tiles_n;
+  const int first_m = (r / group) * GM;
+  const int gsz = min(tiles_m - first_m, GM);
   tm = first_m + (r % group) % gsz;
   tn = (r % group) / gsz;
 }
 
-
-// Epilogue through shared memory: the warpgroup's 64 x 256 accumulators go out in two halves of
-// 64 x 128. Each half: bias + activation, converted to T and written to the warpgroup's staging
-// buffer (fragment layout), a warpgroup barrier, then written to C row by row: 16-byte vector
-// stores when C's rows are 16-byte aligned, else 2-byte stores of 64 contiguous bytes per
+// Epilogue through shared memory: the warpgroup's 64 x BN accumulators go out in BN / 128 passes
+// of 64 x 128. Each pass: bias + activation, converted to T and written to the warpgroup's
+// staging buffer (fragment layout), a warpgroup barrier, then written to C row by row: 16-byte
+// vector stores when C's rows are 16-byte aligned, else 2-byte stores of 64 contiguous bytes per
 // instruction. Storing the fragments directly touches 8 rows per instruction in 8- or 16-byte
 // pieces (partial sectors; 2-byte pieces when N is odd).
-constexpr int OUT_ROW = 128 * 2 + 8;   // staging row stride (bytes): fragment writes 2-way conflicted at most
-constexpr int OUT_BYTES = 64 * OUT_ROW;  // one warpgroup's staging buffer
-
 template <typename T> __device__ __forceinline__ u32 bits16(T v) {
   return static_cast<u32>(*reinterpret_cast<const unsigned short*>(&v));
 }
@@ -1152,17 +1208,17 @@ __device__ __forceinline__ void wg_bar(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
 
-template <typename T, int ACT>
-__device__ __forceinline__ void store_tile_staged(const float (&d)[128], u32 stg, T* Cz, const T* bias, long long M,
-                                                  long long N, long long r0, long long n0, int wg, int warp,
-                                                  int lane) {
+template <typename T, int ACT, int BN>
+__device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 stg, T* Cz, const T* bias,
+                                                  long long M, long long N, long long r0, long long n0, int wg,
+                                                  int warp, int lane) {
   const int g = lane >> 2, t = lane & 3, w = warp & 3;
   const bool vec = (N % 8 == 0) && (reinterpret_cast<u64>(Cz) % 16 == 0);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < Cfg<BN>::HALVES; ++half) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const int ii = half * 16 + i;  // n8 block of the 256 columns
+      const int ii = half * 16 + i;  // n8 block of the BN columns
       const long long col = n0 + 8 * ii + 2 * t;
       const float b0 = (bias != nullptr && col < N) ? to_acc<float>(bias[col]) : 0.0f;
       const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
@@ -1205,7 +1261,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[128], u32 stg
         }
       }
     }
-    wg_bar(wg);  // the buffer is rewritten by the next half (or tile)
+    wg_bar(wg);  // the buffer is rewritten by the next pass (or tile)
   }
 }
 
@@ -1213,22 +1269,30 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[128], u32 stg
 
 // A K-major: A[z] is row-major (M x K); else A[z]^T is (K x M row-major). B K-major: B[z]^T is
 // row-major (N x K); else B[z] is row-major (K x N). C[z] = act(A[z] B[z] + bias), contiguous.
-// Launch: 288 threads, grid <= number of SMs, dynamic shared memory 4 * 48 KiB + 2 * 16.5 KiB
-// (epilogue staging) + 64 bytes (mbarriers) + 1 KiB (alignment).
-template <typename T, int ACT, int A_K, int B_K>
+// BN: block-tile width, 256 or 128 (the tensor map of B must have been encoded with BN's box).
+// Launch: 288 threads, grid <= number of SMs, dynamic shared memory tma::Cfg<BN>::SMEM (a launch
+// with less traps: the ring would overrun it).
+template <typename T, int ACT, int A_K, int B_K, int BN>
 __global__ void __launch_bounds__(tma::THREADS, 1)
     matmul_tc_tma(const __grid_constant__ tma::Map map_a, const __grid_constant__ tma::Map map_b,
                   T* __restrict__ C, const T* __restrict__ bias, long long M, long long N, long long K,
                   long long batch) {
   using namespace tma;
+  using Cf = Cfg<BN>;
+  constexpr int S = Cf::S, STAGE = Cf::STAGE;
   constexpr int BKE = tc::KB / static_cast<int>(sizeof(T));  // 64 elements of K per k-tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 smem = (static_cast<u32>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
   const u32 out = smem + S * STAGE, full = out + 2 * OUT_BYTES, empty = full + 8 * S;
+  {
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+    if (dyn < static_cast<u32>(Cf::SMEM)) __trap();  // host and kernel disagree on the layout
+  }
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int tiles_m = static_cast<int>((M + tc::BM - 1) / tc::BM);
-  const int tiles_n = static_cast<int>((N + tc::BN - 1) / tc::BN);
+  const int tiles_n = static_cast<int>((N + BN - 1) / BN);
   const long long total = static_cast<long long>(tiles_m) * tiles_n * batch;
   const int KT = static_cast<int>((K + BKE - 1) / BKE);
 
@@ -1247,8 +1311,8 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       u32 phase = 0;
       for (long long t = blockIdx.x; t < total; t += gridDim.x) {
         int z, tm, tn;
-        tile_coords(t, tiles_m, tiles_n, z, tm, tn);
-        const int m0 = tm * tc::BM, n0 = tn * tc::BN;
+        tile_coords<BN>(t, tiles_m, tiles_n, z, tm, tn);
+        const int m0 = tm * tc::BM, n0 = tn * BN;
         for (int kt = 0; kt < KT; ++kt) {
           mbar_wait(empty + 8 * s, phase ^ 1);
           const u32 bar = full + 8 * s, sa = smem + s * STAGE, sb = sa + A_BYTES;
@@ -1264,7 +1328,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
             tma_load(sb, map_b, k0, n0, z, bar);
           } else {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) tma_load(sb + 8192 * j, map_b, n0 + 64 * j, k0, z, bar);
+            for (int j = 0; j < BN / 64; ++j) tma_load(sb + 8192 * j, map_b, n0 + 64 * j, k0, z, bar);
           }
           if (++s == S) {
             s = 0;
@@ -1282,10 +1346,10 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   u32 phase = 0;
   for (long long t = blockIdx.x; t < total; t += gridDim.x) {
     int z, tm, tn;
-    tile_coords(t, tiles_m, tiles_n, z, tm, tn);
-    float d[128];
+    tile_coords<BN>(t, tiles_m, tiles_n, z, tm, tn);
+    float d[Cf::ACC];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    for (int i = 0; i < Cf::ACC; ++i) d[i] = 0.0f;
     int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
       mbar_wait(full + 8 * s, phase);
@@ -1293,7 +1357,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       tcw::wg_fence();
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        tcw::Wgmma<T>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+        tcw::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
       tcw::wg_commit();
       tcw::wg_wait<1>(d);  // the previous k-tile's wgmmas are done: its stage may be refilled
       if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
@@ -1305,8 +1369,8 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
     }
     tcw::wg_wait<0>(d);
     if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
-    store_tile_staged<T, ACT>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * M * N, bias, M, N,
-                              static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * tc::BN, wg,
-                              warp, lane);
+    store_tile_staged<T, ACT, BN>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * M * N, bias, M, N,
+                                  static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * BN,
+                                  wg, warp, lane);
   }
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cukit._device import DeviceCaps
 from cukit.interop import DTYPES
 from cukit.ops import matmul_tc as mt
 from cukit.ops._gemm import Gemm
@@ -60,8 +61,128 @@ def test_instantiations_cover_every_launch():
     for dtype in ("bfloat16", "float16"):
         for a_k, b_k in LAYOUTS:
             for act in mt.ACTS:
-                assert mt.tma_name(dtype, act, a_k, b_k) in wgmma
-    assert mt.TMA_SMEM <= 227 * 1024
+                for bn in mt.TMA_TILE_N:
+                    assert mt.tma_name(dtype, act, a_k, b_k, bn) in wgmma
+    # one group per (dtype, activation, width): its four layouts together
+    for dtype in ("bfloat16", "float16"):
+        for act in mt.ACTS:
+            for bn in mt.TMA_TILE_N:
+                group = mt.KERNELS_SM90A.instantiations[f"{dtype}/tma{bn}/act{act}"]
+                assert sorted(group) == sorted(mt.tma_name(dtype, act, a, b, bn) for a, b in LAYOUTS)
+
+
+def test_tma_shared_memory_per_width():
+    """tma::Cfg<BN>'s layout: as many stages as fit in 227 KiB beside the epilogue staging."""
+    assert mt.TMA_TILE_N == (256, 128)
+    assert mt.TMA_STAGES == {256: 4, 128: 6}
+    staging = 2 * 64 * 264
+    for bn in mt.TMA_TILE_N:
+        stage = (mt.BM + bn) * mt.KB
+        s = mt.TMA_STAGES[bn]
+        assert mt.TMA_SMEM[bn] == s * stage + staging + 16 * s + 1024 <= 227 * 1024
+        assert mt.TMA_SMEM[bn] + stage > 227 * 1024  # one more stage would not fit
+    assert mt.TMA_SMEM[256] == 4 * mt.STAGE + staging + 64 + 1024  # the 128 x 256 layout is unchanged
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """Device queries answer as an H100 SXM (compute capability 9.0, 132 SMs, 227 KiB opt-in)."""
+    monkeypatch.setattr(mt, "device_caps", lambda device: DeviceCaps(90, 132, 227 * 1024))
+
+
+def _tn(M, N, sms=132, batch=1, K=768):
+    g = _g(M=M, N=N, K=K, sa_m=K, sb_k=N, batch=(1, 1, batch), sa_batch=(0, 0, M * K), sb_batch=(0, 0, K * N))
+    return mt.tma_tile_n(g, sms)
+
+
+def test_tma_tile_n_wave_model():
+    # the Llama shapes of the problem statement, on an H100's 132 SMs
+    assert _tn(8192, 768) == 128  # 192 tiles of 256 = 1.45 waves (eff 0.73); 384 of 128 = 2.9 (0.87)
+    assert _tn(1024, 1024) == 128  # 32 tiles (0.24) vs 64 (0.44)
+    assert _tn(4096, 4096) == 256  # 512 tiles: 4 full waves (0.97) vs 8 (0.97 x 0.9)
+    assert _tn(8192, 2048) == 256  # likewise
+    assert _tn(4096, 1024) == 256  # 128 tiles in 1 wave (0.97) vs 256 in 2 (0.87)
+    assert _tn(4096, 768) == 256  # 96 tiles in 1 wave (0.73) vs 192 in 2 (0.65)
+    assert _tn(768, 2048, K=4096) == 128  # dW of an MLP projection: 48 tiles (0.36) vs 96 (0.65)
+    assert _tn(8192, 8192) == 256 and _tn(32768, 1024) == 256  # many waves: the faster tile
+    assert _tn(1, 1) == 128 and _tn(100, 200) == 128  # one tile: less zero-filled work
+    # the SM count matters: 192 tiles of 256 are one full wave on 192 SMs
+    assert _tn(8192, 768, sms=192) == 256
+    # the batch multiplies the tiles: 3 x 1024^2 is 96 tiles of 256 (0.73) or 192 of 128 (0.65)
+    assert _tn(1024, 1024, batch=3) == 256
+    assert _tn(1024, 1024, batch=0) == 256  # empty problems: any width; the default
+
+
+def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
+    """The third factor is TMA_TILE_RATE: equal rates make 4096 x 4096 a tie (both 0.97), which
+    goes to the wider tile; a faster 128 x 128 takes it; a slow one loses 8192 x 768 too."""
+    monkeypatch.setitem(mt.TMA_TILE_RATE, 128, 1.0)
+    assert _tn(4096, 4096) == 256
+    monkeypatch.setitem(mt.TMA_TILE_RATE, 128, 1.05)
+    assert _tn(4096, 4096) == 128
+    monkeypatch.setitem(mt.TMA_TILE_RATE, 128, 0.7)
+    assert _tn(8192, 768) == 256
+
+
+def test_tma_tile_n_counts_zero_filled_edges():
+    """N = 384 is 1.5 tiles of 256: a quarter of the 128 x 256 work is on zero-filled columns.
+    32768 x 384: 512 tiles of 256 in 4 waves (0.97 of the slots x 0.75 filled = 0.73) against 768
+    of 128 in 6 (0.97 x 1.0 x 0.9 = 0.87): 128, where counting tiles alone would say 256.
+    32768 x 512 fills both: 256."""
+    assert _tn(32768, 384) == 128
+    assert _tn(32768, 640) == 128  # 3 tiles of 256 across, 5/6 filled
+    assert _tn(32768, 512) == 256
+
+
+def test_tma_tile_n_reads_the_device(h100):
+    g = _g(M=8192, N=768, K=768, sa_m=768, sb_k=768)
+    assert mt.tma_tile_n(g) == 128 == mt.tma_tile_n(g, 132)
+
+
+def _layout_gemm(a_k, b_k, M=300, N=200, K=136, batch=1):
+    """A Gemm of contiguous operands in one layout (A row-major: K-major; B column-major: K-major)."""
+    return _g(M=M, N=N, K=K, sa_m=K if a_k else 1, sa_k=1 if a_k else M, sb_k=1 if b_k else N,
+              sb_n=K if b_k else 1, batch=(1, 1, batch), sa_batch=(0, 0, M * K), sb_batch=(0, 0, K * N))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_tma_specs_per_width(layout):
+    """B's box spans the tile width when B is K-major ({64 k, tile_n n}); every other box (and
+    every dimension and stride) is the same for both widths."""
+    a_k, b_k = layout
+    g = _layout_gemm(a_k, b_k, batch=3)
+    specs = {bn: mt.tma_specs(g, bn) for bn in mt.TMA_TILE_N}
+    for bn, (spa, spb, nb) in specs.items():
+        assert nb == 3
+        assert spa[0] == ((136, 300, 3) if a_k else (300, 136, 3))
+        assert spa[1] == ((136 * 2, 300 * 136 * 2) if a_k else (300 * 2, 300 * 136 * 2))
+        assert spa[2] == ((64, 128) if a_k else (64, 64))
+        assert spb[0] == ((136, 200, 3) if b_k else (200, 136, 3))
+        assert spb[1] == ((136 * 2, 200 * 136 * 2) if b_k else (200 * 2, 200 * 136 * 2))
+        assert spb[2] == ((64, bn) if b_k else (64, 64))
+    assert specs[256][0] == specs[128][0]
+    with pytest.raises(ValueError, match="tile width"):
+        mt.tma_specs(g, 192)
+
+
+def test_tma_specs_default_to_the_model(h100):
+    g = _layout_gemm(True, True, M=8192, N=768, K=768)
+    assert mt.tma_specs(g)[1][2] == (64, 128)
+    g = _layout_gemm(True, True, M=4096, N=4096, K=1024)
+    assert mt.tma_specs(g)[1][2] == (64, 256)
+
+
+def test_prepare_checks_the_forced_width(h100):
+    """tile_n forces the TMA kernel's width (tests, benchmarks): one of TMA_TILE_N, and only where
+    the TMA kernel runs. Both checks come before anything is compiled."""
+    g = _layout_gemm(True, False)
+    assert mt.route(g) == "tma"
+    with pytest.raises(ValueError, match="tile width"):
+        mt.prepare(g, version="tma", tile_n=64)
+    with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):
+        mt.prepare(g, version="mma", tile_n=128)
+    with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):
+        mt.prepare(_layout_gemm(True, False, K=135), tile_n=128)  # misaligned rows: not TMA
 
 
 def test_tma_batch_collapses_dimensions_or_declines():
@@ -166,16 +287,17 @@ def make_gemm(a, b, c, bias=None, act=-1, precision="ieee") -> Gemm:
     )
 
 
-def run(a, b, bias=None, act=-1, precision="ieee", load=None, out=None, version=None):
+def run(a, b, bias=None, act=-1, precision="ieee", load=None, out=None, version=None, tile_n=None):
     """Launch on torch's current stream into a NaN-poisoned c; returns c. version: None (the
-    default route: TMA on Hopper for aligned 16-bit problems), "tma", "wgmma" or "mma"."""
+    default route: TMA on Hopper for aligned 16-bit problems), "tma", "wgmma" or "mma"; tile_n:
+    the TMA kernel's block-tile width (None: the wave model's)."""
     from cukit.interop import current_stream
 
     M, N = a.shape[-2], b.shape[-1]
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     c = out if out is not None else torch.full((*batch, M, N), float("nan"), dtype=a.dtype, device=a.device)
     g = make_gemm(a, b, c, bias, act, precision)
-    mt.launch(g, current_stream(g.device, True), load=load, version=version)
+    mt.launch(g, current_stream(g.device, True), load=load, version=version, tile_n=tile_n)
     torch.cuda.synchronize()
     return c
 
@@ -425,3 +547,99 @@ def test_gpu_tma_batched(layout):
         if _hopper():
             assert mt.route(make_gemm(a, b, c)) == "tma"
         check(run(a, b), a, b)
+
+
+# Both TMA tile widths on shapes that are not multiples of either tile (1, 127, 129, 255, 257,
+# 777 x 769 x 1031), batched, every layout, bias + every activation. TMA needs 16-byte aligned
+# rows: the operands are views of buffers whose rows are padded to 8 elements, the padding NaN
+# (the copy engine must read only the logical extent: a NaN read would reach C).
+TMA_ODD_SHAPES = [(1, 1, 1), (127, 129, 1), (129, 255, 127), (255, 257, 129), (257, 127, 255), (1, 264, 257),
+                  (136, 264, 64), (777, 769, 1031)]
+TMA_ODD_BATCHED = [((3,), 129, 257, 127), ((2, 3), 127, 136, 255)]
+
+
+def _padded(shape, dtype, row_major=True):
+    """Random exactly-representable values of `shape` (..., R, C) in a view of a buffer whose
+    rows hold a multiple of 8 elements, the padding NaN; row_major=False stores the last two
+    dimensions transposed (the buffer is (..., C, R8), the view its .mT)."""
+    *batch, r, c = shape
+    inner, outer = (c, r) if row_major else (r, c)
+    buf = _tensor((*batch, outer, -(-inner // 8) * 8), dtype)
+    buf[..., inner:] = float("nan")
+    v = buf[..., :inner]
+    return v if row_major else v.mT
+
+
+def _hopper_or_skip():
+    if not _hopper():
+        pytest.skip("the TMA kernels run on compute capability 9.0")
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("tile_n", mt.TMA_TILE_N)
+def test_gpu_tma_tile_widths_odd_shapes(tile_n, layout):
+    """Each width forced, bf16 over the odd shapes and batches, fp16 over the largest and a batch;
+    every element against float64 (and every element written: C starts NaN)."""
+    _hopper_or_skip()
+    torch.manual_seed(10)
+    cases = [("bfloat16", (), M, N, K) for M, N, K in TMA_ODD_SHAPES]
+    cases += [("bfloat16", batch, M, N, K) for batch, M, N, K in TMA_ODD_BATCHED]
+    cases += [("float16", (), 777, 769, 1031), ("float16", *TMA_ODD_BATCHED[1])]
+    for dtype, batch, M, N, K in cases:
+        a = _padded((*batch, M, K), dtype, row_major=layout[0])
+        b = _padded((*batch, K, N), dtype, row_major=layout[1])
+        c = torch.full((*batch, M, N), float("nan"), dtype=a.dtype, device="cuda")
+        assert mt.route(make_gemm(a, b, c)) == "tma", (dtype, batch, M, N, K)
+        check(run(a, b, version="tma", tile_n=tile_n), a, b)
+
+
+@gpu
+@pytest.mark.parametrize("act", [-1, *ACTIVATIONS.values()], ids=["none", *ACTIVATIONS])
+@pytest.mark.parametrize("tile_n", mt.TMA_TILE_N)
+def test_gpu_tma_tile_widths_bias_activation(tile_n, act):
+    """bias + each activation through the staged epilogue of each width, every layout, 777 x 769 x
+    1031 (odd N: 2-byte stores) and a batched 129 x 264 x 127 (16-byte stores, ragged last tile)."""
+    _hopper_or_skip()
+    torch.manual_seed(11)
+    for layout in LAYOUTS:
+        for batch, M, N, K in (((), 777, 769, 1031), ((2,), 129, 264, 127)):
+            a = _padded((*batch, M, K), "bfloat16", row_major=layout[0])
+            b = _padded((*batch, K, N), "bfloat16", row_major=layout[1])
+            bias = _tensor((N,), "bfloat16")
+            check(run(a, b, bias, act, version="tma", tile_n=tile_n), a, b, bias, act)
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("tile_n", mt.TMA_TILE_N)
+def test_gpu_tma_tile_widths_persistent(tile_n, layout):
+    """More tiles than SMs for each width (2 x 9 x 9 of 128 x 256, 2 x 9 x 17 of 128 x 128): each
+    CTA runs several tiles across the batch boundary, the producer filling the next tile's stages
+    during the epilogue; K of 4 k-tiles (fewer than the ring's stages) and of 17 (the ring wraps
+    within a tile)."""
+    _hopper_or_skip()
+    torch.manual_seed(12)
+    for K in (200, 1031):
+        a = _padded((2, 1100, K), "bfloat16", row_major=layout[0])
+        b = _padded((2, K, 2100), "bfloat16", row_major=layout[1])
+        bias = _tensor((2100,), "bfloat16")
+        check(run(a, b, bias, version="tma", tile_n=tile_n), a, b, bias)
+
+
+@gpu
+def test_gpu_tma_default_width_is_the_models():
+    """prepare without tile_n launches the width tma_tile_n picks for the device (8192 x 768 and
+    1024^2 take 128 x 128 on an H100 or H200, 4096^2 128 x 256), with its grid and shared memory."""
+    _hopper_or_skip()
+    from cukit._device import device_caps
+
+    sms = device_caps(0).sm_count
+    for M, N, K in ((8192, 768, 768), (1024, 1024, 1024), (4096, 4096, 1024)):
+        # prepare encodes no tensor map and reads no memory: aligned fake pointers do
+        g = _g(M=M, N=N, K=K, sa_m=K, sb_k=1, sb_n=K, a=1 << 20, b=1 << 30, c=1 << 31)
+        bn = mt.tma_tile_n(g)
+        assert bn == mt.tma_tile_n(g, sms)
+        launch = mt.prepare(g).launch
+        assert launch.name == mt.tma_name("bfloat16", -1, True, True, bn)
+        assert launch.grid[0] == min(sms, -(-M // 128) * -(-N // bn)) and launch.smem == mt.TMA_SMEM[bn]

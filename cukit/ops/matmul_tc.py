@@ -7,16 +7,18 @@ epilogue ``act(acc + bias)`` in fp32.
 The kernel contract is :class:`cukit.ops._gemm.Gemm`: any M, N, K (K == 0: C = act(bias)), either
 operand row- or column-major (by its unit stride; no transposed copies), up to three broadcast
 batch dimensions (``blockIdx.z``; the TMA kernel: a tensor-map dimension). Block tiles of
-128 x 256 x 128 bytes of K.
+128 x 256 x 128 bytes of K (the TMA kernel: 128 x 256 or 128 x 128, :func:`tma_tile_n`).
 
 Three kernels in the one file (:func:`route` picks one):
 
 - ``matmul_tc`` (``mma.sync`` + ``ldmatrix``, sm_80+): every dtype and layout. 8 warps of 64 x 64;
   K-major tiles feed ``ldmatrix``, M/N-major ones ``ldmatrix.trans`` (fp32: 32-bit loads).
 - ``matmul_tc_tma`` (Hopper, sm_90a, compute capability 9.0 only, :func:`uses_tma`): bfloat16 /
-  float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a 4-stage
-  ring with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
-  ``cuTensorMapEncodeTiled``), 2 consumer warpgroups of 64 x 256 run wgmma; persistent grid.
+  float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a ring
+  of 4 (6) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
+  ``cuTensorMapEncodeTiled``), 2 consumer warpgroups of 64 x 256 (64 x 128) run wgmma; persistent
+  grid. The block-tile width (256 or 128) is chosen per problem by a wave-quantisation model,
+  :func:`tma_tile_n`.
 - ``matmul_tc_wgmma`` (Hopper, sm_90a): bfloat16/float16 with A and B both K-major, loaded by
   ``cp.async``; it runs the misaligned case (load path 0) of ``x @ W.T``, which TMA cannot take.
 
@@ -61,6 +63,7 @@ __all__ = [
     "tma_maps",
     "tma_name",
     "tma_specs",
+    "tma_tile_n",
     "uses_tma",
     "uses_wgmma",
     "wgmma_name",
@@ -107,19 +110,38 @@ def wgmma_name(dtype: str, act: int, load: int) -> str:
     return f"matmul_tc_wgmma<{DTYPES[dtype].ctype}, {act}, {load}>"
 
 
-def tma_name(dtype: str, act: int, a_k: bool, b_k: bool) -> str:
-    """The NVRTC name expression of one TMA + wgmma instantiation."""
-    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}>"
+def tma_name(dtype: str, act: int, a_k: bool, b_k: bool, tile_n: int = 256) -> str:
+    """The NVRTC name expression of one TMA + wgmma instantiation (block tiles 128 x tile_n)."""
+    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {tile_n}>"
 
 
 # map_a, map_b (CUtensorMap by value), C, bias, M, N, K, batch
 TMA_SIGNATURE = "b128 b128 ptr ptr i64 i64 i64 i64"
 TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
-TMA_SMEM = 4 * STAGE + 2 * 64 * 264 + 64 + 1024  # ring, 2 epilogue staging buffers, 8 mbarriers, alignment
+# Block-tile widths of the TMA kernel (its template BN; the tiles are 128 x BN), widest first.
+TMA_TILE_N = (256, 128)
+# Throughput of each width relative to 128 x 256 when every wave is full, per unit of useful work
+# (the wave model's third factor, see tma_tile_n). 128 x 128 moves 1.33x the bytes per FLOP into
+# shared memory (32 KiB per 2.1 MFLOP vs 48 KiB per 4.2) and pays the per-k-tile waits, the
+# prologue and the epilogue's fixed costs over half the work. Calibrated on an H100 (bf16, x @ W.T,
+# both widths forced, shapes whose waves are full for both): 128/256 throughput 0.89-0.94 over
+# 4096^3, 4096 x 1024 x 4096, 4096 x 4096 x 1024 and 8192 x 2048 x 768 (benchmarks/NOTES.md).
+TMA_TILE_RATE: dict[int, float] = {256: 1.0, 128: 0.92}
+# Dynamic shared memory per width, as raw_kernels/matmul_tc.cu's tma::Cfg<BN> lays it out: as many
+# ring stages (A + B k-tile: 48 / 32 KiB) as fit in 227 KiB beside the two epilogue staging buffers
+# (64 x (256 + 8) bytes each), 2 mbarriers per stage and 1 KiB lost to alignment: 4 / 6 stages.
+_SMEM_OPTIN_SM90 = 227 * 1024
+_TMA_OUT = 2 * 64 * (128 * 2 + 8)
+TMA_STAGES: dict[int, int] = {
+    bn: min(8, (_SMEM_OPTIN_SM90 - _TMA_OUT - 1024) // ((BM + bn) * KB + 16)) for bn in TMA_TILE_N
+}
+TMA_SMEM: dict[int, int] = {bn: TMA_STAGES[bn] * ((BM + bn) * KB + 16) + _TMA_OUT + 1024 for bn in TMA_TILE_N}
 
 # The sm_90a kernels (Hopper's warpgroup MMA): per (dtype, activation) one group of the cp.async
-# wgmma kernels (K-major A and B, both load paths) and one of the TMA kernels (4 layouts).
-# `cukit check-kernels --arch sm_90` compiles them for sm_90a.
+# wgmma kernels (K-major A and B, both load paths) and per (dtype, activation, tile width) one of
+# the TMA kernels (4 layouts): a model's forward (its activation) and backward (none, 3 layouts)
+# compile the groups of the widths its shapes pick. `cukit check-kernels --arch sm_90` compiles
+# them for sm_90a.
 KERNELS_SM90A = KernelModule(
     "matmul_tc.cu",
     instantiations={
@@ -129,9 +151,10 @@ KERNELS_SM90A = KernelModule(
             for act in ACTS
         },
         **{
-            f"{dtype}/tma/act{act}": [tma_name(dtype, act, a, b) for a, b in LAYOUTS]
+            f"{dtype}/tma{bn}/act{act}": [tma_name(dtype, act, a, b, bn) for a, b in LAYOUTS]
             for dtype in ("bfloat16", "float16")
             for act in ACTS
+            for bn in TMA_TILE_N
         },
     },
     signatures={"matmul_tc_wgmma": GEMM_SIGNATURE, "matmul_tc_tma": TMA_SIGNATURE},
@@ -267,7 +290,40 @@ def tma_if_aligned(g: Gemm) -> bool:
         cc, optin = _device_caps(g.device)
     except Exception:
         return False
-    return cc == 90 and optin >= TMA_SMEM
+    return cc == 90 and optin >= max(TMA_SMEM.values())
+
+
+def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
+    """The TMA kernel's block-tile width (256 or 128, :data:`TMA_TILE_N`) for ``g`` on a device
+    of `sms` multiprocessors (None: ``g``'s device): a wave-quantisation model.
+
+    With 128 x bn tiles the persistent grid (one CTA per SM) runs
+    ``tiles = ceil(M / 128) * ceil(N / bn) * batch`` in ``waves = ceil(tiles / sms)`` rounds of
+    one tile each, a tile taking time proportional to ``bn / TMA_TILE_RATE[bn]``. The fraction of
+    that time spent on the problem is ::
+
+        eff(bn) = M * N * batch / (waves * sms * 128 * bn) * TMA_TILE_RATE[bn]
+
+    i.e. ``tiles / (waves * sms)`` (the SMs left idle in the last wave) times the part of the
+    tiles inside C (ragged edge tiles compute zero-filled rows and columns) times the width's
+    relative throughput. The width of the highest eff wins; a tie goes to the wider tile (fewer
+    bytes per FLOP). On 132 SMs: 8192 x 768 takes 192 tiles of 128 x 256 in 2 waves (eff 0.73)
+    or 384 of 128 x 128 in 3 (0.97 x 0.9 = 0.87): 128; 4096 x 4096 is 512 tiles in 4 full waves
+    (0.97) or 1024 in 8 (0.87): 256; 1024 x 1024: 32 tiles (0.24) or 64 (0.44): 128. K does not
+    enter: both widths run the same k-loop."""
+    if sms is None:
+        sms = device_caps(g.device).sm_count
+    nb = g.batch_count
+    best, best_eff = TMA_TILE_N[0], -1.0
+    for bn in TMA_TILE_N:
+        tiles = -(-g.M // BM) * -(-g.N // bn) * nb
+        if tiles <= 0 or sms <= 0:
+            return TMA_TILE_N[0]
+        waves = -(-tiles // sms)
+        eff = g.M * g.N * nb / (waves * sms * BM * bn) * TMA_TILE_RATE[bn]
+        if eff > best_eff:
+            best, best_eff = bn, eff
+    return best
 
 
 def uses_tma(g: Gemm, load: int | None = None) -> bool:
@@ -373,9 +429,14 @@ def _operand_spec(
     return (inner, outer, batch), (ld_bytes, b_bytes), box
 
 
-def tma_specs(g: Gemm) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
-    """(A's map spec, B's map spec, batch count) for :func:`uses_tma` problems; a spec is
-    (dims, strides, box) as :func:`tensor_map` takes them after the pointer."""
+def tma_specs(g: Gemm, tile_n: int | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
+    """(A's map spec, B's map spec, batch count) for :func:`uses_tma` problems run with block tiles
+    of 128 x `tile_n` (None: :func:`tma_tile_n`); a spec is (dims, strides, box) as
+    :func:`tensor_map` takes them after the pointer. Boxes per k-tile of 64 elements: A K-major
+    (64, 128), M-major (64, 64) twice; B K-major (64, tile_n), N-major (64, 64) tile_n / 64 times."""
+    bn = tma_tile_n(g) if tile_n is None else tile_n
+    if bn not in TMA_TILE_N:
+        raise ValueError(f"matmul_tc: TMA tile width {bn} is not one of {TMA_TILE_N}")
     nb, sa, sb = tma_batch(g)  # type: ignore[misc]
     a_k, b_k = operand_layouts(g)
     sz = g.dtype.itemsize
@@ -384,15 +445,15 @@ def tma_specs(g: Gemm) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
     else:
         spa = _operand_spec(sz, g.M, g.K, g.sa_k, nb, sa, (64, 64))
     if b_k:
-        spb = _operand_spec(sz, g.K, g.N, g.sb_n, nb, sb, (64, BN))
+        spb = _operand_spec(sz, g.K, g.N, g.sb_n, nb, sb, (64, bn))
     else:
         spb = _operand_spec(sz, g.N, g.K, g.sb_k, nb, sb, (64, 64))
     return spa, spb, nb
 
 
-def tma_maps(g: Gemm) -> tuple[np.ndarray, np.ndarray, int]:
-    """(map of A, map of B, batch count) for :func:`uses_tma` problems."""
-    spa, spb, nb = tma_specs(g)
+def tma_maps(g: Gemm, tile_n: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(map of A, map of B, batch count) for :func:`uses_tma` problems (tile_n: as :func:`tma_specs`)."""
+    spa, spb, nb = tma_specs(g, tile_n)
     return tensor_map(g.dtype.name, g.a, *spa), tensor_map(g.dtype.name, g.b, *spb), nb
 
 
@@ -463,15 +524,20 @@ def _noop(head: tuple[int, ...], stream: Any) -> None:
     """The launch of an empty problem (M, N or the batch is 0)."""
 
 
-def prepare(g: Gemm, *, version: str | None = None, load: int | None = None) -> Callable[..., None]:
+def prepare(
+    g: Gemm, *, version: str | None = None, load: int | None = None, tile_n: int | None = None
+) -> Callable[..., None]:
     """A ready launch for every problem of ``g``'s signature: call it as
     ``run((a, b, c, bias), stream)`` with device pointers (those of ``g`` or any other arrays of
     the same shapes, strides and 16-byte alignment). version None or "tc": the kernel
     :func:`route` picks (TMA, then cp.async wgmma, then mma.sync); "tma", "wgmma", "mma": that one.
-    `load` overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one: for
-    tests and benchmarks)."""
+    `load` overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one) and
+    `tile_n` the TMA kernel's block-tile width (:data:`TMA_TILE_N`; :func:`tma_tile_n` by default;
+    a ValueError when the TMA kernel does not run ``g``): for tests and benchmarks."""
     if version not in (None, "tc", "tma", "wgmma", "mma"):
         raise ValueError(f"matmul_tc: unknown version {version!r} (None, 'tc', 'tma', 'wgmma' or 'mma')")
+    if tile_n is not None and tile_n not in TMA_TILE_N:
+        raise ValueError(f"matmul_tc: TMA tile width {tile_n!r} is not one of {TMA_TILE_N}")
     if not supports(g):
         raise ValueError(
             f"matmul_tc takes bfloat16/float16, or float32 with precision 'tf32', on sm_80+; got {g.dtype} "
@@ -488,18 +554,22 @@ def prepare(g: Gemm, *, version: str | None = None, load: int | None = None) -> 
             f"matmul_tc: load path {load} cannot run this {g.dtype} problem (natural: {natural})"
         )
     kernel = route(g, load, version)
+    if tile_n is not None and kernel != "tma":
+        raise ValueError(f"matmul_tc: tile_n sets the TMA kernel's tile; this problem runs on {kernel!r}")
     if kernel == "tma":
-        spa, spb, nb = tma_specs(g)
-        tiles = -(-g.M // BM) * -(-g.N // BN) * nb
-        grid = (min(tiles, device_caps(g.device).sm_count),)
+        sms = device_caps(g.device).sm_count
+        bn = tma_tile_n(g, sms) if tile_n is None else tile_n
+        spa, spb, nb = tma_specs(g, bn)
+        tiles = -(-g.M // BM) * -(-g.N // bn) * nb
+        grid = (min(tiles, sms),)
         a_k, b_k = operand_layouts(g)
         run = KERNELS_SM90A.prepare(
-            tma_name(g.dtype.name, g.act, a_k, b_k),
+            tma_name(g.dtype.name, g.act, a_k, b_k, bn),
             grid,
             (TMA_THREADS,),
             (g.M, g.N, g.K, nb),
             device=g.device,
-            shared_mem=TMA_SMEM,
+            shared_mem=TMA_SMEM[bn],
         )
         return _TmaLaunch(run, g.dtype.name, spa, spb)
     tiles = -(-g.M // BM) * -(-g.N // BN)
@@ -516,7 +586,9 @@ def prepare(g: Gemm, *, version: str | None = None, load: int | None = None) -> 
     return module.prepare(name, grid, (THREADS,), g.kernel_args()[4:], device=g.device, shared_mem=smem)
 
 
-def launch(g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None) -> None:
+def launch(
+    g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None, tile_n: int | None = None
+) -> None:
     """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
     with ``g``'s pointers."""
-    prepare(g, version=version, load=load)((g.a, g.b, g.c, g.bias), stream)
+    prepare(g, version=version, load=load, tile_n=tile_n)((g.a, g.b, g.c, g.bias), stream)
