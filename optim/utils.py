@@ -47,9 +47,10 @@ def on_cupy_stream(arrays: Sequence[Any]) -> Iterator[None]:
     """Within the block, torch's current stream is CuPy's current stream on the arrays' device
     when any of `arrays` is a CuPy array (else nothing changes).
 
-    Why: cukit.optim launches on torch's current stream (rule 1 of DESIGN.md), and DLPack only
-    orders the hand-over of the inputs; a CuPy caller reads the results on CuPy's stream, so the
-    kernels (and torch's small ops around them) must run there too.
+    Why: cukit.optim launches on torch's current stream (so it orders with torch's work and is
+    captured in CUDA graphs), and DLPack only orders the hand-over of the inputs; a CuPy caller
+    reads the results on CuPy's stream, so the kernels (and torch's small ops around them) must
+    run there too.
     """
     arr = next((a for a in arrays if is_cupy(a)), None)
     if arr is None:
