@@ -38,12 +38,10 @@ the "eager" backend, perf_counter timing) so the harness logic is tested without
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -243,60 +241,28 @@ class CompileGroup:
         return self.compiled
 
 
-def _configure_dynamo() -> None:
-    torch = _torch()
-    cfg = torch._dynamo.config
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
-                            ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
-            if hasattr(cfg, name):
-                with contextlib.suppress(Exception):
-                    setattr(cfg, name, value)
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class Bench:
+class Bench(harness.RunState):
     """State of one run: configuration, result rows, failures, budget, device facts."""
 
     cfg: Config
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
     copy_bps: float = math.nan
-    t0: float = field(default_factory=time.perf_counter)
-    fatal: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
     def skip_reason(self) -> str | None:
         """Why new cases should not start: a lost CUDA context, or the time budget spent."""
-        if self.fatal:
-            return f"skipped: CUDA context unusable after an earlier error ({self.fatal[:120]})"
-        if self.cfg.budget_s and self.elapsed() > self.cfg.budget_s:
-            return f"skipped: time budget of {self.cfg.budget_s:.0f} s spent"
-        return None
+        return self.stop_reason(self.cfg.budget_s)
 
     def fail(self, row: dict[str, Any], exc: BaseException) -> None:
         """Record a failed case (and stop launching if the CUDA context is gone)."""
-        msg = harness.short_error(exc)
-        row["error"] = msg
         where = " ".join(str(row.get(k)) for k in ("op", "dtype", "activation", "numel", "impl") if row.get(k))
-        self.failures.append(f"{where}: {msg}")
-        if harness.is_fatal_cuda_error(exc):
-            self.fatal = msg
-        torch = _torch()
-        if isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in msg.lower():
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        row["error"] = self.record_failure(where, exc)
 
     @property
     def cuda(self) -> bool:
@@ -751,7 +717,7 @@ def run(cfg: Config) -> tuple[Bench, list[dict[str, Any]], dict[str, Any], list[
     b = Bench(cfg)
     b.meta["config"] = {k: v for k, v in vars(cfg).items()}
     if cfg.compile:
-        _configure_dynamo()
+        harness.configure_dynamo()
     groups: dict[tuple[str, str, str], CompileGroup] = {}
 
     print(f"{NAME}: device {cfg.device}, dtypes {', '.join(cfg.dtypes)}, fwd sizes "

@@ -9,7 +9,7 @@ Usage::
 
 A torch model calls a cukit op thousands of times per step with the same shapes, so the host time
 of a call (Python, validation, plan lookup, dispatcher, autograd, launch) is part of the product:
-DESIGN.md's target is cukit within 1.5x of torch, forward and backward. Each row compares one call
+the target is cukit within 1.5x of torch, forward and backward. Each row compares one call
 of cukit with torch's equivalent, measured in the same run on the same shapes:
 
 | op | cukit | torch |
@@ -60,12 +60,11 @@ torch reference; the numbers mean nothing) and writes to a new temporary folder 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -319,19 +318,11 @@ def device_us(fn: Callable[[], Any], cfg: Config) -> float:
 
 
 @dataclass
-class Bench:
+class Bench(harness.RunState):
     cfg: Config
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    t0: float = field(default_factory=time.perf_counter)
-    fatal: str | None = None
 
     def skip_reason(self) -> str | None:
-        if self.fatal:
-            return f"skipped: CUDA context unusable after an earlier error ({self.fatal[:120]})"
-        if self.cfg.budget_s and time.perf_counter() - self.t0 > self.cfg.budget_s:
-            return f"skipped: time budget of {self.cfg.budget_s:.0f} s spent"
-        return None
+        return self.stop_reason(self.cfg.budget_s)
 
 
 def run_case(b: Bench, op: str, dtype: str, pass_: str) -> dict[str, Any]:
@@ -358,10 +349,7 @@ def run_case(b: Bench, op: str, dtype: str, pass_: str) -> dict[str, Any]:
         slowest_device = max(row["torch_device_us"], row["cukit_device_us"])
         row["bound"] = "host" if min(row["torch_us"], row["cukit_us"]) > slowest_device else "device?"
     except Exception as e:  # recorded, the run goes on
-        row["error"] = harness.short_error(e)
-        b.failures.append(f"{op} {dtype} {pass_}: {row['error']}")
-        if harness.is_fatal_cuda_error(e):
-            b.fatal = row["error"]
+        row["error"] = b.record_failure(f"{op} {dtype} {pass_}", e)
     return row
 
 
@@ -423,28 +411,12 @@ def run(cfg: Config) -> Bench:
     return b
 
 
-@contextlib.contextmanager
-def _one_cpu_thread(cfg: Config) -> Iterator[None]:
-    """One torch thread for a CPU run: tiny ops gain nothing from more, and on a busy host OpenMP
-    threads spinning at barriers stall every op. Restored after (the tests share the process)."""
-    torch = _torch()
-    threads = torch.get_num_threads()
-    if not cfg.device.startswith("cpu"):
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(parse_args(argv))
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
         return 2
-    with _one_cpu_thread(cfg):
+    with harness.one_cpu_thread(cfg.device):
         run(cfg)
     return 0
 

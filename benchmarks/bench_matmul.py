@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import inspect
 import sys
 import time
@@ -430,25 +429,14 @@ def validate(out: Any, expected: Any, rows: list[int] | None, rel_tol: float, na
 
 
 @dataclass
-class Bench:
+class Bench(harness.RunState):
     """State of one run: configuration, result rows, failures, budget."""
 
     cfg: Config
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    t0: float = field(default_factory=time.perf_counter)
-    fatal: str | None = None
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
 
     def skip_reason(self) -> str | None:
         """Why new cases should not start: a lost CUDA context, or the time budget spent."""
-        if self.fatal:
-            return f"skipped: CUDA context unusable after an earlier error ({self.fatal[:120]})"
-        if self.cfg.budget_s and self.elapsed() > self.cfg.budget_s:
-            return f"skipped: time budget of {self.cfg.budget_s:.0f} s spent"
-        return None
+        return self.stop_reason(self.cfg.budget_s)
 
     @property
     def cuda(self) -> bool:
@@ -456,14 +444,8 @@ class Bench:
 
     def fail(self, row: dict[str, Any], exc: BaseException) -> None:
         """Record a failed case (and stop launching if the CUDA context is gone)."""
-        msg = harness.short_error(exc)
-        row["error"] = msg
-        self.failures.append(f"{row.get('op')} {row.get('mode')} {row.get('shape')} {row.get('impl')}: {msg}")
-        if harness.is_fatal_cuda_error(exc):
-            self.fatal = msg
-        torch = _torch()
-        if isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in msg.lower():
-            _free_memory(self.cuda)
+        where = f"{row.get('op')} {row.get('mode')} {row.get('shape')} {row.get('impl')}"
+        row["error"] = self.record_failure(where, exc)
 
     def repeats(self, est_ms: float) -> tuple[int, int]:
         """(warmup, repeats) for a call of about `est_ms` milliseconds."""
@@ -477,12 +459,6 @@ class Bench:
     def randn(self, shape: Sequence[int], dtype: str) -> Any:
         torch = _torch()
         return torch.randn(tuple(shape), dtype=getattr(torch, dtype), device=self.cfg.device)
-
-
-def _free_memory(cuda: bool) -> None:
-    gc.collect()
-    if cuda:
-        _torch().cuda.empty_cache()
 
 
 def _base_row(case: Case) -> dict[str, Any]:
@@ -764,7 +740,7 @@ def run(cfg: Config) -> tuple[Bench, dict[str, Any], list[str]]:
             rows = [row]
         _progress(case, rows)
         if b.cuda and case.flops >= 2 * 2048**3:
-            _free_memory(True)
+            harness.release_cuda_memory()
     harness.print_table(b.rows, COLUMNS, title="\nall rows", formatters=_FMT)
 
     env = harness.environment()

@@ -99,14 +99,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import math
 import statistics
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,18 +205,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg = replace(cfg, device="cpu", steps=4, warmup=1, budget_s=0.0, compile_backend="eager", dry_run=True)
         if args.device is not None and args.device.startswith("cuda"):
             cfg = replace(cfg, compile_backend="inductor")
-    if args.device is not None:
-        cfg = replace(cfg, device=args.device)
-    if args.steps is not None:
-        cfg = replace(cfg, steps=args.steps)
-    if args.warmup is not None:
-        cfg = replace(cfg, warmup=args.warmup)
-    if args.budget_s is not None:
-        cfg = replace(cfg, budget_s=args.budget_s)
-    if args.compile_backend is not None:
-        cfg = replace(cfg, compile_backend=args.compile_backend)
-    if args.compile_mode is not None:
-        cfg = replace(cfg, compile_mode=args.compile_mode)
+    given = ("device", "steps", "warmup", "budget_s", "compile_backend", "compile_mode")
+    cfg = replace(cfg, **{k: getattr(args, k) for k in given if getattr(args, k) is not None})
     if cfg.steps < 2:
         raise SystemExit(f"{NAME}: --steps must be >= 2")
     return replace(cfg, warmup=max(0, min(cfg.warmup, cfg.steps - 1)))
@@ -480,66 +468,32 @@ def make_optimizer(impl: str, params: list[Any], lr: float) -> Any:
 
 
 @dataclass
-class Bench:
+class Bench(harness.RunState):
     """State of one run: configuration, rows, failures, budget bookkeeping."""
 
     cfg: Config
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
-    t0: float = field(default_factory=time.perf_counter)
-    fatal: str | None = None
     case_s: dict[tuple[str, str], float] = field(default_factory=dict)  # last duration per (model, mode)
 
     @property
     def cuda(self) -> bool:
         return self.cfg.device.startswith("cuda")
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
     def skip_reason(self, estimate_s: float = 0.0) -> str | None:
         """Why a case should not start: a lost CUDA context, or the budget (spent, or overrun by
         the case's predicted duration)."""
-        if self.fatal:
-            return f"skipped: CUDA context unusable after an earlier error ({self.fatal[:120]})"
-        budget = self.cfg.budget_s
-        if budget and self.elapsed() > budget:
-            return f"skipped: time budget of {budget:.0f} s spent"
-        if budget and self.elapsed() + estimate_s > budget:
-            return f"skipped: predicted {estimate_s:.0f} s would overrun the {budget:.0f} s budget"
-        return None
+        return self.stop_reason(self.cfg.budget_s, estimate_s)
 
     def fail(self, row: dict[str, Any], exc: BaseException | str) -> None:
-        msg = exc if isinstance(exc, str) else harness.short_error(exc)
-        row["error"] = msg
-        self.failures.append(f"{row.get('model')} {row.get('setting', '')} {row.get('impl', '')}: {msg}")
-        if isinstance(exc, BaseException):
-            if harness.is_fatal_cuda_error(exc):
-                self.fatal = msg
-            if "out of memory" in msg.lower():
-                release_memory(self.cuda)
+        where = f"{row.get('model')} {row.get('setting', '')} {row.get('impl', '')}"
+        row["error"] = self.record_failure(where, exc)
 
 
 def release_memory(cuda: bool) -> None:
     """Hand the last case's blocks back to the device (gc first: compiled graphs hold cycles). On the
     CPU there is no cache to empty, and a collection per case would dominate a dry run."""
     if cuda:
-        gc.collect()
-        _torch().cuda.empty_cache()
-
-
-def _configure_dynamo() -> None:
-    """Recompile limits up: a case hitting dynamo's cache limit would silently fall back to eager."""
-    torch = _torch()
-    cfg = torch._dynamo.config
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
-                            ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
-            if hasattr(cfg, name):
-                with contextlib.suppress(Exception):
-                    setattr(cfg, name, value)
+        harness.release_cuda_memory()
 
 
 def _sync(cuda: bool) -> None:
@@ -602,7 +556,7 @@ def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str,
     curve = [float(v) for v in losses.tolist()]
     ms = statistics.median(timed)
     row.update(
-        ms=ms, ms_p20=_quantile(timed, 0.2), ms_p80=_quantile(timed, 0.8), ms_min=timed[0],
+        ms=ms, ms_p20=harness.quantile(timed, 0.2), ms_p80=harness.quantile(timed, 0.8), ms_min=timed[0],
         timed_steps=len(timed), first_step_s=times_ms[0] / 1e3,
         samples_per_s=work.batch * 1e3 / ms,
         tokens_per_s=work.tokens_per_step * 1e3 / ms if work.tokens_per_step else None,
@@ -616,15 +570,6 @@ def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str,
     del fn, opt, loss_module, model, losses, batches
     if mode == "compile":
         torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
-
-
-def _quantile(s: Sequence[float], q: float) -> float:
-    if not s:
-        return math.nan
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def loss_rel_diff(a: Sequence[float] | None, ref: Sequence[float] | None) -> float | None:
@@ -857,7 +802,7 @@ def run(cfg: Config) -> Bench:
 
         b.meta["transformers"] = transformers.__version__
     if any(s.startswith("compile") for s in cfg.settings):
-        _configure_dynamo()
+        harness.configure_dynamo()
     env = harness.environment()
     print(f"{NAME}: {env.get('gpu') or cfg.device} | torch {torch.__version__} | models {','.join(cfg.models)} | "
           f"settings {','.join(cfg.settings)} | {cfg.steps} steps | compile {cfg.compile_kwargs()} | "
@@ -882,29 +827,13 @@ def run(cfg: Config) -> Bench:
     return b
 
 
-@contextlib.contextmanager
-def _one_cpu_thread(cfg: Config) -> Iterator[None]:
-    """One torch thread for a CPU run: tiny ops gain nothing from more, and on a busy host OpenMP
-    threads spinning at barriers stall every op. Restored after (the tests share the process)."""
-    torch = _torch()
-    threads = torch.get_num_threads()
-    if not cfg.device.startswith("cpu"):
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 when the run completed (failed cases are reported, not fatal)."""
     cfg = config_from_args(parse_args(argv))
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
         return 2
-    with _one_cpu_thread(cfg):
+    with harness.one_cpu_thread(cfg.device):
         run(cfg)
     return 0
 

@@ -4,14 +4,14 @@ Everything here works with or without a GPU: on a CUDA device it times with CUDA
 and synchronises; on the CPU (``--dry-run`` smoke mode, the tests) the same functions fall back to
 ``time.perf_counter`` so every code path runs somewhere before it runs on a lent GPU.
 
-What each helper measures (see ``benchmarks/README.md`` and ``/work/.library/device/METHOD.md``):
+What each helper measures (see ``benchmarks/README.md``):
 
 - :func:`time_cuda`: device time of one call, median (and min/p20/p80) over repeats, L2 flushed
   between repeats outside the timed region, an optional per-repeat ``setup`` that is not timed.
 - :func:`host_cost_us`: host microseconds to enqueue one call (no sync inside the loop).
 - :func:`copy_bandwidth`: device-to-device copy bandwidth (bytes read + bytes written per second),
   the physical limit of a memory-bound kernel: the "fraction" column divides by it.
-- :func:`check_close`: validation before timing: relative-norm error (METHOD.md), NaN checks and an
+- :func:`check_close`: validation before timing: relative-norm error, NaN checks and an
   elementwise ``atol + rtol * |expected|`` test, per dtype.
 - :func:`environment`, :func:`save_results`, :func:`plot`, :func:`print_table`: reporting.
 
@@ -40,8 +40,10 @@ __all__ = [
     "DEFAULT_OUT",
     "REPO_ROOT",
     "CheckResult",
+    "RunState",
     "Timing",
     "check_close",
+    "configure_dynamo",
     "copy_bandwidth",
     "cuda_available",
     "environment",
@@ -49,9 +51,12 @@ __all__ = [
     "format_value",
     "host_cost_us",
     "is_fatal_cuda_error",
+    "one_cpu_thread",
     "plot",
     "poison_allocator",
     "print_table",
+    "quantile",
+    "release_cuda_memory",
     "save_results",
     "short_error",
     "synchronize",
@@ -115,6 +120,94 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@dataclass(kw_only=True)
+class RunState:
+    """What every benchmark run keeps: result rows, failures, the start time and, once a CUDA
+    error has made the context unusable, that error (no further launches). Each bench_<op>.py
+    subclasses it with its config and case bookkeeping."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+    fatal: str | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def stop_reason(self, budget_s: float, estimate_s: float = 0.0) -> str | None:
+        """Why a new case should not start: a lost CUDA context, the time budget spent, or the
+        case's predicted duration overrunning it (no budget: 0)."""
+        if self.fatal:
+            return f"skipped: CUDA context unusable after an earlier error ({self.fatal[:120]})"
+        if budget_s and self.elapsed() > budget_s:
+            return f"skipped: time budget of {budget_s:.0f} s spent"
+        if budget_s and estimate_s and self.elapsed() + estimate_s > budget_s:
+            return f"skipped: predicted {estimate_s:.0f} s would overrun the {budget_s:.0f} s budget"
+        return None
+
+    def record_failure(self, where: str, exc: BaseException | str) -> str:
+        """Note a failed case (and whether it lost the CUDA context); returns the short message.
+        Out-of-memory errors hand the caching allocator's blocks back."""
+        msg = exc if isinstance(exc, str) else short_error(exc)
+        self.failures.append(f"{where}: {msg}")
+        if isinstance(exc, BaseException):
+            if is_fatal_cuda_error(exc):
+                self.fatal = msg
+            if "out of memory" in msg.lower():
+                release_cuda_memory()
+        return msg
+
+
+def release_cuda_memory() -> None:
+    """Collect garbage (compiled graphs hold reference cycles) and empty torch's CUDA cache."""
+    import gc
+
+    gc.collect()
+    if cuda_available():
+        _torch().cuda.empty_cache()  # type: ignore[union-attr]
+
+
+def configure_dynamo() -> None:
+    """torch.compile's recompile limits up: a case that hits the limit would silently fall back to
+    eager and be timed as compiled."""
+    import contextlib
+    import warnings
+
+    torch = _torch()
+    if torch is None:
+        return
+    cfg = torch._dynamo.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
+                            ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+            if hasattr(cfg, name):
+                with contextlib.suppress(Exception):
+                    setattr(cfg, name, value)
+
+
+def one_cpu_thread(device: str) -> Any:
+    """A context that runs torch on one CPU thread while `device` is the CPU (tiny ops gain nothing
+    from more, and OpenMP threads spinning at barriers stall every op on a busy host); restored on
+    exit. A no-op for other devices."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx() -> Any:
+        torch = _torch()
+        if torch is None or not device.startswith("cpu"):
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    return ctx()
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +234,7 @@ class Timing:
         return d
 
 
-def _quantile(sorted_vals: Sequence[float], q: float) -> float:
+def quantile(sorted_vals: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile of an already sorted sequence (q in [0, 1])."""
     if not sorted_vals:
         return math.nan
@@ -156,8 +249,8 @@ def _timing(times_ms: list[float], method: str, flushed: bool) -> Timing:
     return Timing(
         ms=statistics.median(s),
         min_ms=s[0],
-        p20_ms=_quantile(s, 0.2),
-        p80_ms=_quantile(s, 0.8),
+        p20_ms=quantile(s, 0.2),
+        p80_ms=quantile(s, 0.8),
         mean_ms=statistics.fmean(s),
         repeats=len(s),
         method=method,
@@ -351,7 +444,7 @@ def poison_allocator(shape: Sequence[int] | int, dtype: Any, device: Any) -> Non
 
 # (atol, rtol) for the elementwise test and the relative-norm bound, per dtype name. (atol, rtol)
 # are cukit.testing.TOLERANCES' values (taken from there when it imports: one table for the project);
-# the norm bound follows METHOD.md: float32 maths lands far under 1e-5, bfloat16 results rounded
+# the norm bound: float32 maths lands far under 1e-5, bfloat16 results rounded
 # once sit near 2e-3.
 TOLERANCES: dict[str, tuple[float, float, float]] = {
     "float64": (1e-10, 1e-9, 1e-12),

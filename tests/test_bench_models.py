@@ -140,7 +140,7 @@ def test_models_dry_run_hf_models(models: Any, tmp_path: Path) -> None:
 def test_models_dry_run_defaults_to_a_temporary_folder(models: Any) -> None:
     cfg = models.config_from_args(models.parse_args(["--dry-run", "--models", "mlp", "--settings", "eager-bf16"]))
     assert cfg.device == "cpu" and cfg.out is None and cfg.compile_backend == "eager" and cfg.steps == 4
-    with models._one_cpu_thread(cfg):
+    with _import("harness").one_cpu_thread(cfg.device):
         b = models.run(cfg)
     try:
         out = Path(b.cfg.out)
@@ -220,7 +220,7 @@ def test_models_failures_are_recorded_not_fatal(models: Any, monkeypatch: pytest
 
     monkeypatch.setattr(models, "make_optimizer", flaky)
     b = models.Bench(cfg)
-    with models._one_cpu_thread(cfg):
+    with _import("harness").one_cpu_thread(cfg.device):
         rows = models.run_model(b, "mlp")
     by = {(r["setting"], r["impl"]): r for r in rows}
     assert "optimizer exploded" in by[("eager-bf16", "cukit-demo")]["error"]
