@@ -7,26 +7,12 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+from hf_blocks import Conv1D as HFConv1D  # noqa: E402  (transformers' Conv1D, as defined there)
+
 import cukit.nn  # noqa: E402  (after the torch skip)
 
 nn = torch.nn
 F = torch.nn.functional
-
-
-class HFConv1D(nn.Module):
-    """transformers.pytorch_utils.Conv1D, as it is defined there."""
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.empty(nx, nf))
-        self.bias = nn.Parameter(torch.zeros(nf))
-        nn.init.normal_(self.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size_out = (*x.size()[:-1], self.nf)
-        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
-        return x.view(size_out)
 
 
 def test_linear_takes_torch_positional_arguments():
