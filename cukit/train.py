@@ -36,7 +36,6 @@ __all__ = ["CaptureError", "CapturedStep", "Metrics", "NonFiniteGuard", "Running
 
 Tensor = torch.Tensor
 _ACC_DTYPES = (torch.float32, torch.float64)
-_FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _MISSING = object()
 
 
@@ -303,14 +302,6 @@ def _require_cukit_optimizer(optimizer: Any, what: str) -> None:
     )
 
 
-def _kernels_apply(grads: list[Tensor]) -> bool:
-    return (
-        cukit.is_available()
-        and all(g.is_cuda and g.dtype in _FLOAT_DTYPES and g.is_contiguous() for g in grads)
-        and len({g.device for g in grads}) == 1
-    )
-
-
 class NonFiniteGuard:
     """Skips an optimizer step on the GPU when the loss or a gradient is NaN or inf, and counts the
     skipped steps on the device: ``flag = 1 if any(!isfinite(loss), !isfinite(g) for g in grads) else 0``.
@@ -352,7 +343,6 @@ class NonFiniteGuard:
         self._skipped: Tensor | None = None  # float64 0-dim: exact counts up to 2**53
         self._steps: Tensor | None = None
         self._armed = False
-        self._prep: dict[str, Any] | None = None  # the norm kernels' tables and buffers for the grads
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -396,18 +386,9 @@ class NonFiniteGuard:
 
     def _grads_nonfinite(self, grads: list[Tensor], device: torch.device) -> Tensor:
         """float32 0-dim on `device`: 1.0 if any gradient holds a NaN or inf. No host sync."""
-        if _kernels_apply(grads):
-            from cukit.optim.utils import prepare_norm, run_norm
+        from cukit.optim.utils import nonfinite_flag
 
-            # what cukit.optim.nonfinite_flag does: one pass over every gradient. The prepared
-            # tables are cached by pointers in a small LRU; holding them here keeps the buffers a
-            # captured graph reads alive after the cache has dropped them.
-            self._prep = prepare_norm(grads)
-            return run_norm(self._prep)["flag"].to(device, non_blocking=True)
-        # one isfinite().all() per tensor: the CPU and multi-device path (a CUDA to CPU copy blocks)
-        blocking = device.type != "cuda"
-        ok = torch.stack([torch.isfinite(g).all().to(device, non_blocking=not blocking) for g in grads]).all()
-        return torch.logical_not(ok).to(torch.float32)
+        return nonfinite_flag(grads).to(device, non_blocking=True)
 
     def check(self, loss: Tensor | None = None) -> Tensor:
         """Compute the flag from ``loss`` (if given) and the gradients, and arm it for the next

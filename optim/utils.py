@@ -33,6 +33,8 @@ __all__ = [
 Tensor = torch.Tensor
 _CACHE: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
 _CACHE_SIZE = 8
+# Prepared norms used inside a CUDA-graph capture: never evicted (the graph replays them).
+_CAPTURED: dict[tuple[Any, ...], dict[str, Any]] = {}
 _NORM_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _TORCH_STREAMS: dict[tuple[int, int], Any] = {}
 
@@ -123,6 +125,7 @@ def prepare_norm(tensors: Sequence[Tensor]) -> dict[str, Any]:
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
+        _pin_if_captured(key, hit)
         return hit
     dev = tensors[0].device
     by: dict[torch.dtype, list[int]] = {}
@@ -153,7 +156,15 @@ def prepare_norm(tensors: Sequence[Tensor]) -> dict[str, Any]:
     _CACHE[key] = prep
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
+    _pin_if_captured(key, prep)
     return prep
+
+
+def _pin_if_captured(key: tuple[Any, ...], prep: dict[str, Any]) -> None:
+    """A CUDA graph captured while using `prep` reads its tables and buffers on every replay:
+    keep them alive for the process, whatever the LRU above drops."""
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED[key] = prep
 
 
 def run_norm(
@@ -261,9 +272,12 @@ def nonfinite_flag(tensors: Iterable[Any]) -> Tensor:
     inputs = [tensors] if isinstance(tensors, Tensor) or is_cupy(tensors) else list(tensors)
     ts = _as_tensors(inputs, "tensors")
     with on_cupy_stream(inputs):
-        if not _kernels_apply(ts):
-            bad = any(bool((~torch.isfinite(t)).any()) for t in ts)
-            flag = torch.tensor(1.0 if bad else 0.0, device=ts[0].device if ts else None)
+        if not ts:
+            flag = torch.zeros(())
+        elif not _kernels_apply(ts):  # CPU, several devices or no CuPy: still no host sync
+            dev = ts[0].device
+            bad = [(~torch.isfinite(t)).any().to(dev, non_blocking=dev.type == "cuda") for t in ts]
+            flag = torch.stack(bad).any().to(torch.float32)
         else:
             flag = run_norm(prepare_norm(ts))["flag"].clone()
         return _like_inputs(flag, inputs)
