@@ -519,32 +519,26 @@ class Launch:
     def _launch(self, head: tuple[Any, ...], stream: Any) -> None:
         if self._cufn is None:
             if "b128" in self.head_kinds:
-                head = tuple(bytes_to_arg(v) for v in head)
+                head = tuple(_bytes_to_arg(v) for v in head)
             self.fn(self.grid, self.block, head + self.tail, shared_mem=self.smem, stream=stream)
             return
-        self._struct.pack_into(self._buf, self._base, *head)
-        g, b = self.grid, self.block
-        rc = _cu_launch_kernel()(self._cufn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.ptr,
-                                 self._params, None)
-        if rc:
-            self._launch_failed(rc, head, stream)
-
-    def _launch_failed(self, rc: int, head: tuple[Any, ...], stream: Any) -> None:
-        """A thread without a current CUDA context (a fresh thread) gets the device's primary
-        context and the launch again; any other error goes through CuPy, which raises it with
-        its name."""
+        rc = self._driver_launch(head, stream)
         if rc == _CUDA_ERROR_INVALID_CONTEXT:
+            # a thread without a current CUDA context (a fresh thread): the device's primary one
             import cupy
 
             cupy.cuda.runtime.setDevice(self.device)
-            self._struct.pack_into(self._buf, self._base, *head)
-            g, b = self.grid, self.block
-            rc = _cu_launch_kernel()(self._cufn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.ptr,
-                                     self._params, None)
-            if rc == 0:
-                return
-        args = tuple(bytes_to_arg(v) for v in head) + self.tail
-        self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream)
+            rc = self._driver_launch(head, stream)
+        if rc:  # any other error: through CuPy, which raises it with its name
+            args = tuple(_bytes_to_arg(v) for v in head) + self.tail
+            self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream)
+
+    def _driver_launch(self, head: tuple[Any, ...], stream: Any) -> int:
+        """Pack the leading arguments and call cuLaunchKernel; its CUresult."""
+        self._struct.pack_into(self._buf, self._base, *head)
+        g, b = self.grid, self.block
+        return _cu_launch_kernel()(self._cufn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.ptr,
+                                   self._params, None)
 
     def __repr__(self) -> str:
         return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.smem}, device={self.device})"
@@ -562,7 +556,7 @@ def _get_device() -> int:
 _B128 = np.dtype((np.void, 128))
 
 
-def bytes_to_arg(v: Any) -> Any:
+def _bytes_to_arg(v: Any) -> Any:
     """A leading argument as CuPy's launch takes it (128 raw bytes -> a one-element NumPy struct)."""
     if isinstance(v, bytes):
         return np.frombuffer(v, _B128).copy()

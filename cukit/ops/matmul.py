@@ -1001,20 +1001,17 @@ def _matmul_gpu_slow(
     """The first call of a signature (validate, build the Gemm, pick and prepare the kernel, cache
     the plan when it launches on the caller's arrays as they are), and every call with ``out=``,
     operand copies or padding."""
-    kind = "torch" if array_kind(a) == "torch" else "cupy"
-    if array_kind(b) != kind or (bias is not None and array_kind(bias) != kind):
-        raise TypeError(f"_matmul_gpu: operands must be of one array type ({kind})")
+    kind, device = _validate_pair(a, b)
+    if bias is not None:
+        _validate_pair(a, bias, "bias")
     name = _dtype_name(a, kind)
     if name not in FLOAT_DTYPES:
         raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {name}")
     if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
         raise TypeError(f"_matmul_gpu: operands must share the dtype {name}")
     dt = DTYPES[name]
-    device = device_of(a)
-    if device is None:
+    if kind == "numpy" or device is None:
         raise ValueError("_matmul_gpu needs CUDA arrays")
-    if device_of(b) != device or (bias is not None and device_of(bias) != device):
-        raise ValueError(f"_matmul_gpu: operands must be on one device (cuda:{device})")
     batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"_matmul_gpu: bias must have shape ({N},); got {tuple(bias.shape)}")

@@ -49,10 +49,7 @@ def _bias_act_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, out
 
 def _bias_act_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
     x, bias = ctx.saved_tensors
-    if x.is_cuda and eager_path(grad, x, bias) == DIRECT:  # a backward nothing records or traces
-        dx, dbias = _op.backward_gpu(grad, x, bias, _op.activation_id(ctx.activation))
-    else:
-        dx, dbias = bias_act_backward(grad, x, bias, ctx.activation)
+    dx, dbias = bias_act_backward(grad, x, bias, ctx.activation)  # launches directly when not recorded
     return (dx if ctx.needs_input_grad[0] else None, dbias if ctx.needs_input_grad[1] else None, None)
 
 

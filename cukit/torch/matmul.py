@@ -19,9 +19,10 @@ Autograd (the backward formulas call the entry points below, so they are differe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from cukit.ops import bias_act as _op_bias_act
 from cukit.ops import matmul as _op
 from cukit.ops.bias_act import ACTIVATIONS, activation_id
 from cukit.torch._register import DIRECT, DISPATCH, TorchOp, autocast_lower, eager_path
@@ -42,14 +43,10 @@ def _prec(precision: str | None) -> str:
 def _matmul_impl(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     """a @ b (numpy.matmul semantics) for tensors of one float dtype; see ``cukit.matmul``."""
     if a.is_cuda:
-        return _op._matmul_gpu(a, b, precision=precision, check=lambda: _check_pair(a, b))
-    _check_pair(a, b)
-    return _op.reference_torch(a, b)
-
-
-def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+        return _op._matmul_gpu(a, b, precision=precision)  # validated on a signature's first call
     _op._validate_pair(a, b)
     _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+    return _op.reference_torch(a, b)
 
 
 def _matmul_fake(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
@@ -79,20 +76,27 @@ def _is_one_matrix(shape: tuple[int, ...]) -> bool:
     return all(n == 1 for n in shape[:-2])
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, prec: str) -> torch.Tensor:
-    """A product inside a backward formula: the kernel straight away when nothing records or
-    traces it (a backward without create_graph), else the differentiable entry point."""
-    if a.dtype == b.dtype and a.is_cuda and eager_path(a, b) == DIRECT:
-        return _op._matmul_gpu(a, b, precision=prec)
-    return matmul(a, b, precision=prec)
+def _backward_is_direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether a backward formula may launch the kernels straight away: nothing records or traces
+    it (a backward without create_graph). Else it calls the differentiable entry points (double
+    backward, torch.compile, tensor subclasses)."""
+    first = tensors[0]
+    return first is not None and first.is_cuda and eager_path(*tensors) == DIRECT
+
+
+def _product(prec: str, direct: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The product a backward formula uses (see _backward_is_direct)."""
+    if direct:
+        return lambda a, b: _op._matmul_gpu(a, b, precision=prec)
+    return lambda a, b: matmul(a, b, precision=prec)
 
 
 def _matmul_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
     a, b = ctx.saved_tensors
-    prec = ctx.precision
+    mm = _product(ctx.precision, _backward_is_direct(grad, a, b))
     if a.ndim == 2 and b.ndim == 2:  # the common case, without the batch bookkeeping
-        da = _mm(grad, b.mT, prec) if ctx.needs_input_grad[0] else None
-        db = _mm(a.mT, grad, prec) if ctx.needs_input_grad[1] else None
+        da = mm(grad, b.mT) if ctx.needs_input_grad[0] else None
+        db = mm(a.mT, grad) if ctx.needs_input_grad[1] else None
         return da, db, None
     a2 = a.unsqueeze(0) if a.ndim == 1 else a  # (..., M, K)
     b2 = b.unsqueeze(-1) if b.ndim == 1 else b  # (..., K, N)
@@ -107,17 +111,17 @@ def _matmul_bwd(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) ->
             # dA[m, k] = sum_{z, n} g[z, m, n] b[z, k, n]: one GEMM with the batch folded into N
             gf = g.movedim(-2, 0).reshape(M, nbatch * N)
             bf = b2.expand((*batch, K, N)).movedim(-2, 0).reshape(K, nbatch * N)
-            da = _mm(gf, bf.t(), prec)
+            da = mm(gf, bf.t())
         else:
-            da = _sum_to(_mm(g, b2.mT, prec), tuple(a2.shape))
+            da = _sum_to(mm(g, b2.mT), tuple(a2.shape))
         da = da.reshape(a.shape)
     if ctx.needs_input_grad[1]:
         if _is_one_matrix(tuple(b2.shape)) and nbatch > 1:
             # dB = sum_z A[z]^T g[z] = A'^T g' with A' (batch * M, K), g' (batch * M, N)
             af = a2.expand((*batch, M, K)).reshape(nbatch * M, K)
-            db = _mm(af.t(), g.reshape(nbatch * M, N), prec)
+            db = mm(af.t(), g.reshape(nbatch * M, N))
         else:
-            db = _sum_to(_mm(a2.mT, g, prec), tuple(b2.shape))
+            db = _sum_to(mm(a2.mT, g), tuple(b2.shape))
         db = db.reshape(b.shape)
     return da, db, None
 
@@ -256,9 +260,7 @@ def _linear_bwd(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> t
     act, prec = ctx.activation, ctx.precision
     out_f, in_f = weight.shape
     dy2 = dy.reshape(-1, out_f)
-    # one decision for the whole backward: kernels straight away unless it is recorded or traced
-    direct = dy.is_cuda and dy.dtype == weight.dtype and eager_path(dy, x, weight, bias) == DIRECT
-    mm = (lambda a, b: _op._matmul_gpu(a, b, precision=prec)) if direct else (lambda a, b: _mm(a, b, prec))
+    mm = _product(prec, _backward_is_direct(dy, x, weight, bias))
     needs = ctx.needs_input_grad
     db = None
     if act is None:
@@ -271,10 +273,7 @@ def _linear_bwd(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> t
         else:
             z = mm(x.reshape(-1, in_f), weight.t())  # recomputed x W^T
             zb = dy2.new_zeros(out_f) if bias is None else bias
-        if direct:
-            g, db = _op_bias_act.backward_gpu(dy2.contiguous(), z, zb, ACTIVATIONS[act])
-        else:
-            g, db = bias_act_backward(dy2.contiguous(), z, zb, act)
+        g, db = bias_act_backward(dy2.contiguous(), z, zb, act)
     dx = mm(g, weight).reshape(x.shape) if needs[0] else None
     dw = mm(g.t(), x.reshape(-1, in_f)) if needs[1] else None
     return dx, dw, db if bias is not None and needs[2] else None, None, None
