@@ -918,6 +918,11 @@ template <int N, int R> __device__ __forceinline__ void wg_wait(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");  // accumulators are live here
 }
+template <int N, int R> __device__ __forceinline__ void wg_wait(float (&d0)[R], float (&d1)[R]) {
+  wg_wait<N>(d0);
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d1[i])::"memory");
+}
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -1083,8 +1088,9 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 // (twice the tiles: fuller last waves on medium shapes, e.g. 8192 x 768 = 192 tiles of 128 x 256
 // on 132 SMs is 1.45 waves, 384 tiles of 128 x 128 are 2.9).
 //
-// 288 threads: warpgroups 0 and 1 consume (each 64 x BN of the 128 x BN tile, wgmma m64nBNk16
-// straight from shared memory), warp 8 produces: one thread issues the bulk tensor copies
+// 288 threads: warpgroups 0 and 1 consume (cooperative, BN = 256: each 64 x BN of every tile,
+// wgmma m64nBNk16 straight from shared memory; ping-pong, BN = 128: each whole tiles in turn, see
+// PP at the kernel), warp 8 produces: one thread issues the bulk tensor copies
 // (cp.async.bulk.tensor, the TMA engine) of every k-tile into an S-stage ring (Cfg<BN>: 4 stages
 // of 48 KiB for BN = 256, 6 of 32 KiB for BN = 128: as many as fit beside the epilogue staging).
 // Stage s has a "full" mbarrier (the producer's arrive.expect_tx; the copy engine completes the
@@ -1208,6 +1214,15 @@ __device__ __forceinline__ void wg_bar(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
 
+// Ping-pong order: barrier 3 + wg is "warpgroup wg may start its next mainloop"; the other
+// warpgroup arrives on it once it has issued its own mainloop's last wgmmas (256 = both groups).
+__device__ __forceinline__ void order_wait(int wg) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
+}
+__device__ __forceinline__ void order_signal(int other) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + other) : "memory");
+}
+
 template <typename T, int ACT, int BN>
 __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 stg, T* Cz, const T* bias,
                                                   long long M, long long N, long long r0, long long n0, int wg,
@@ -1272,13 +1287,20 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
 // BN: block-tile width, 256 or 128 (the tensor map of B must have been encoded with BN's box).
 // Launch: 288 threads, grid <= number of SMs, dynamic shared memory tma::Cfg<BN>::SMEM (a launch
 // with less traps: the ring would overrun it).
-template <typename T, int ACT, int A_K, int B_K, int BN>
+// PP = 0 (cooperative): both consumer warpgroups work on each tile (64 x BN rows each) and run its
+// epilogue together, so the tensor cores idle during every epilogue. PP = 1 (ping-pong, BN = 128
+// only): warpgroup w takes the CTA's tiles w, w + 2, ... whole (128 x 128: two m64n128 wgmmas per
+// k16 step), so one warpgroup's epilogue runs under the other's mainloop; the mainloops take turns
+// (order_wait / order_signal), which also keeps a warpgroup from waiting on a ring stage more than
+// one phase ahead of the copies (a parity wait cannot tell phase n from phase n - 2).
+template <typename T, int ACT, int A_K, int B_K, int BN, int PP>
 __global__ void __launch_bounds__(tma::THREADS, 1)
     matmul_tc_tma(const __grid_constant__ tma::Map map_a, const __grid_constant__ tma::Map map_b,
                   T* __restrict__ C, const T* __restrict__ bias, long long M, long long N, long long K,
                   long long batch) {
   using namespace tma;
   using Cf = Cfg<BN>;
+  static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128 per warpgroup");
   constexpr int S = Cf::S, STAGE = Cf::STAGE;
   constexpr int BKE = tc::KB / static_cast<int>(sizeof(T));  // 64 elements of K per k-tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -1299,7 +1321,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, CONSUMER_WARPS);
+      mbar_init(empty + 8 * s, PP ? CONSUMER_WARPS / 2 : CONSUMER_WARPS);  // the warps that read a stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -1340,8 +1362,56 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
     return;
   }
 
-  // Consumers: warpgroup wg computes rows 64 wg .. 64 wg + 63 of each tile.
   const int wg = warp >> 2;
+  if constexpr (PP) {
+    // Local tile i of this CTA fills ring positions i KT .. i KT + KT - 1 (position p: stage p % S,
+    // phase (p / S) & 1); warpgroup wg takes the local tiles i = wg, wg + 2, ...
+    long long pos = static_cast<long long>(wg) * KT;
+    for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; t < total; t += 2LL * gridDim.x) {
+      int z, tm, tn;
+      tile_coords<BN>(t, tiles_m, tiles_n, z, tm, tn);
+      int s = static_cast<int>(pos % S);
+      u32 phase = static_cast<u32>((pos / S) & 1);
+      float d0[64], d1[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        d0[i] = 0.0f;
+        d1[i] = 0.0f;
+      }
+      if (t >= static_cast<long long>(gridDim.x)) order_wait(wg);  // the previous tile's mainloop is issued
+      int prev = -1;
+      for (int kt = 0; kt < KT; ++kt) {
+        mbar_wait(full + 8 * s, phase);
+        const u32 sa = smem + s * STAGE, sb = sa + A_BYTES;
+        tcw::wg_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          tcw::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+          tcw::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc<A_K != 0>(sa + 8192, j),
+                                                                       desc<B_K != 0>(sb, j));
+        }
+        tcw::wg_commit();
+        tcw::wg_wait<1>(d0, d1);
+        if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
+        prev = s;
+        if (++s == S) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+      if (t + gridDim.x < total) order_signal(wg ^ 1);  // the next tile (the other group's) may start
+      tcw::wg_wait<0>(d0, d1);
+      if (lane == 0) mbar_arrive(empty + 8 * prev);
+      pos += 2LL * KT;
+      T* Cz = C + static_cast<long long>(z) * M * N;
+      const long long r0 = static_cast<long long>(tm) * tc::BM, c0 = static_cast<long long>(tn) * BN;
+      store_tile_staged<T, ACT, BN>(d0, out + wg * OUT_BYTES, Cz, bias, M, N, r0, c0, wg, warp, lane);
+      store_tile_staged<T, ACT, BN>(d1, out + wg * OUT_BYTES, Cz, bias, M, N, r0 + 64, c0, wg, warp, lane);
+    }
+    return;
+  }
+
+  // Cooperative consumers: warpgroup wg computes rows 64 wg .. 64 wg + 63 of each tile.
   int s = 0;
   u32 phase = 0;
   for (long long t = blockIdx.x; t < total; t += gridDim.x) {

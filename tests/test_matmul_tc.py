@@ -97,41 +97,57 @@ def _tn(M, N, sms=132, batch=1, K=768):
 
 def test_tma_tile_n_wave_model():
     # the Llama shapes of the problem statement, on an H100's 132 SMs
-    assert _tn(8192, 768) == 128  # 192 tiles of 256 = 1.45 waves (eff 0.73); 384 of 128 = 2.9 (0.87)
+    assert _tn(8192, 768) == 128  # 192 tiles of 256 = 1.45 waves (eff 0.73 x 0.86); 384 of 128 = 2.9 (0.97 x 0.94)
     assert _tn(1024, 1024) == 128  # 32 tiles (0.24) vs 64 (0.44)
-    assert _tn(4096, 4096) == 256  # 512 tiles: 4 full waves (0.97) vs 8 (0.97 x 0.9)
-    assert _tn(8192, 2048) == 256  # likewise
-    assert _tn(4096, 1024) == 256  # 128 tiles in 1 wave (0.97) vs 256 in 2 (0.87)
-    assert _tn(4096, 768) == 256  # 96 tiles in 1 wave (0.73) vs 192 in 2 (0.65)
+    assert _tn(4096, 4096, K=4096) == 256  # 512 tiles: 4 full waves (0.97 x 0.97) vs 8 (0.97 x 0.94)
+    assert _tn(4096, 4096, K=1024) == 128  # ... but at K = 1024 the cooperative epilogue costs 11%
+    assert _tn(8192, 2048) == 128  # K = 768: likewise
+    assert _tn(8192, 2048, K=8192) == 256
+    assert _tn(4096, 1024, K=4096) == 256  # 128 tiles in 1 wave (0.97 x 0.97) vs 256 in 2 (0.97 x 0.94)
+    assert _tn(4096, 768) == 128  # 96 tiles in 1 wave (0.73 x 0.86) vs 192 in 2 (0.73 x 0.94)
     assert _tn(768, 2048, K=4096) == 128  # dW of an MLP projection: 48 tiles (0.36) vs 96 (0.65)
-    assert _tn(8192, 8192) == 256 and _tn(32768, 1024) == 256  # many waves: the faster tile
+    assert _tn(8192, 8192, K=8192) == 256 and _tn(32768, 1024, K=4096) == 256  # many waves, deep K
     assert _tn(1, 1) == 128 and _tn(100, 200) == 128  # one tile: less zero-filled work
     # the SM count matters: 192 tiles of 256 are one full wave on 192 SMs
-    assert _tn(8192, 768, sms=192) == 256
-    # the batch multiplies the tiles: 3 x 1024^2 is 96 tiles of 256 (0.73) or 192 of 128 (0.65)
-    assert _tn(1024, 1024, batch=3) == 256
+    assert _tn(8192, 768, sms=192, K=4096) == 256
+    # the batch multiplies the tiles: 3 x 1024^2 is 96 tiles of 256 (0.73) or 192 of 128 (0.73 x 0.94)
+    assert _tn(1024, 1024, batch=3, K=4096) == 256
     assert _tn(1024, 1024, batch=0) == 256  # empty problems: any width; the default
 
 
+def test_tma_tile_rate():
+    """Ping-pong tiles run at a constant rate; the cooperative ones lose their epilogue's share,
+    which falls with K."""
+    assert mt.tma_tile_rate(128, 768) == mt.tma_tile_rate(128, 8192) == mt.TMA_PINGPONG_RATE
+    assert mt.tma_tile_rate(256, 128) == pytest.approx(0.5)
+    assert mt.tma_tile_rate(256, 768) < mt.tma_tile_rate(128, 768) < mt.tma_tile_rate(256, 8192) < 1.0
+    assert mt.tma_tile_rate(256, 0) == 1.0
+    assert mt.TMA_PINGPONG == {256: False, 128: True}
+
+
 def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
-    """The third factor is TMA_TILE_RATE: equal rates make 4096 x 4096 a tie (both 0.97), which
-    goes to the wider tile; a faster 128 x 128 takes it; a slow one loses 8192 x 768 too."""
-    monkeypatch.setitem(mt.TMA_TILE_RATE, 128, 1.0)
-    assert _tn(4096, 4096) == 256
-    monkeypatch.setitem(mt.TMA_TILE_RATE, 128, 1.05)
-    assert _tn(4096, 4096) == 128
-    monkeypatch.setitem(mt.TMA_TILE_RATE, 128, 0.7)
+    """The third factor is tma_tile_rate: a ping-pong rate equal to the cooperative one makes
+    4096 x 4096 x 4096 a near-tie that the wider tile keeps; a faster 128 x 128 takes it; a slow
+    one loses 8192 x 768 too."""
+    monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.96)
+    assert _tn(4096, 4096, K=4096) == 256
+    monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 1.05)
+    assert _tn(4096, 4096, K=4096) == 128
+    monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.6)
     assert _tn(8192, 768) == 256
+    monkeypatch.setattr(mt, "TMA_EPILOGUE_K", 0)  # a free epilogue: the wider tile at 4096 x 4096 x 1024
+    monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.94)
+    assert _tn(4096, 4096, K=1024) == 256
 
 
 def test_tma_tile_n_counts_zero_filled_edges():
     """N = 384 is 1.5 tiles of 256: a quarter of the 128 x 256 work is on zero-filled columns.
-    32768 x 384: 512 tiles of 256 in 4 waves (0.97 of the slots x 0.75 filled = 0.73) against 768
-    of 128 in 6 (0.97 x 1.0 x 0.9 = 0.87): 128, where counting tiles alone would say 256.
-    32768 x 512 fills both: 256."""
-    assert _tn(32768, 384) == 128
-    assert _tn(32768, 640) == 128  # 3 tiles of 256 across, 5/6 filled
-    assert _tn(32768, 512) == 256
+    32768 x 384 x 4096: 512 tiles of 256 in 4 waves (0.97 of the slots x 0.75 filled x 0.97 =
+    0.71) against 768 of 128 in 6 (0.97 x 1.0 x 0.94 = 0.91): 128, where counting tiles alone
+    would say 256. 32768 x 512 fills both: 256."""
+    assert _tn(32768, 384, K=4096) == 128
+    assert _tn(32768, 640, K=4096) == 128  # 3 tiles of 256 across, 5/6 filled
+    assert _tn(32768, 512, K=4096) == 256
 
 
 def test_tma_tile_n_reads_the_device(h100):
@@ -629,13 +645,15 @@ def test_gpu_tma_tile_widths_persistent(tile_n, layout):
 
 @gpu
 def test_gpu_tma_default_width_is_the_models():
-    """prepare without tile_n launches the width tma_tile_n picks for the device (8192 x 768 and
-    1024^2 take 128 x 128 on an H100 or H200, 4096^2 128 x 256), with its grid and shared memory."""
+    """prepare without tile_n launches the width (and schedule) tma_tile_n picks for the device
+    (8192 x 768 x 768, 1024^3 and 4096 x 4096 x 1024 take 128 x 128 ping-pong on an H100 or H200,
+    4096^3 128 x 256 cooperative), with its grid and shared memory."""
     _hopper_or_skip()
     from cukit._device import device_caps
 
     sms = device_caps(0).sm_count
-    for M, N, K in ((8192, 768, 768), (1024, 1024, 1024), (4096, 4096, 1024)):
+    picked = set()
+    for M, N, K in ((8192, 768, 768), (1024, 1024, 1024), (4096, 4096, 1024), (4096, 4096, 4096)):
         # prepare encodes no tensor map and reads no memory: aligned fake pointers do
         g = _g(M=M, N=N, K=K, sa_m=K, sb_k=1, sb_n=K, a=1 << 20, b=1 << 30, c=1 << 31)
         bn = mt.tma_tile_n(g)
@@ -643,3 +661,5 @@ def test_gpu_tma_default_width_is_the_models():
         launch = mt.prepare(g).launch
         assert launch.name == mt.tma_name("bfloat16", -1, True, True, bn)
         assert launch.grid[0] == min(sms, -(-M // 128) * -(-N // bn)) and launch.smem == mt.TMA_SMEM[bn]
+        picked.add(bn)
+    assert picked == set(mt.TMA_TILE_N)

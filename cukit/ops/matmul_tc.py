@@ -16,9 +16,10 @@ Three kernels in the one file (:func:`route` picks one):
 - ``matmul_tc_tma`` (Hopper, sm_90a, compute capability 9.0 only, :func:`uses_tma`): bfloat16 /
   float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a ring
   of 4 (6) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
-  ``cuTensorMapEncodeTiled``), 2 consumer warpgroups of 64 x 256 (64 x 128) run wgmma; persistent
-  grid. The block-tile width (256 or 128) is chosen per problem by a wave-quantisation model,
-  :func:`tma_tile_n`.
+  ``cuTensorMapEncodeTiled``), 2 consumer warpgroups run wgmma; persistent grid. Tiles of
+  128 x 256 are cooperative (each warpgroup 64 x 256 of every tile), tiles of 128 x 128 ping-pong
+  (each warpgroup whole tiles in turn, one's epilogue under the other's mainloop). The width is
+  chosen per problem by a wave-quantisation model, :func:`tma_tile_n`.
 - ``matmul_tc_wgmma`` (Hopper, sm_90a): bfloat16/float16 with A and B both K-major, loaded by
   ``cp.async``; it runs the misaligned case (load path 0) of ``x @ W.T``, which TMA cannot take.
 
@@ -64,6 +65,7 @@ __all__ = [
     "tma_name",
     "tma_specs",
     "tma_tile_n",
+    "tma_tile_rate",
     "uses_tma",
     "uses_wgmma",
     "wgmma_name",
@@ -110,9 +112,12 @@ def wgmma_name(dtype: str, act: int, load: int) -> str:
     return f"matmul_tc_wgmma<{DTYPES[dtype].ctype}, {act}, {load}>"
 
 
-def tma_name(dtype: str, act: int, a_k: bool, b_k: bool, tile_n: int = 256) -> str:
-    """The NVRTC name expression of one TMA + wgmma instantiation (block tiles 128 x tile_n)."""
-    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {tile_n}>"
+def tma_name(dtype: str, act: int, a_k: bool, b_k: bool, tile_n: int = 256, pingpong: bool | None = None) -> str:
+    """The NVRTC name expression of one TMA + wgmma instantiation (block tiles 128 x tile_n).
+    `pingpong` None: the schedule :data:`TMA_PINGPONG` gives the width (128 x 256 tiles run
+    cooperatively, 128 x 128 ping-pong); True/False instantiates the other one (benchmarks)."""
+    pp = TMA_PINGPONG[tile_n] if pingpong is None else pingpong
+    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {tile_n}, {int(pp)}>"
 
 
 # map_a, map_b (CUtensorMap by value), C, bias, M, N, K, batch
@@ -120,13 +125,20 @@ TMA_SIGNATURE = "b128 b128 ptr ptr i64 i64 i64 i64"
 TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
 # Block-tile widths of the TMA kernel (its template BN; the tiles are 128 x BN), widest first.
 TMA_TILE_N = (256, 128)
-# Throughput of each width relative to 128 x 256 when every wave is full, per unit of useful work
-# (the wave model's third factor, see tma_tile_n). 128 x 128 moves 1.33x the bytes per FLOP into
-# shared memory (32 KiB per 2.1 MFLOP vs 48 KiB per 4.2) and pays the per-k-tile waits, the
-# prologue and the epilogue's fixed costs over half the work. Calibrated on an H100 (bf16, x @ W.T,
-# both widths forced, shapes whose waves are full for both): 128/256 throughput 0.89-0.94 over
-# 4096^3, 4096 x 1024 x 4096, 4096 x 4096 x 1024 and 8192 x 2048 x 768 (benchmarks/NOTES.md).
-TMA_TILE_RATE: dict[int, float] = {256: 1.0, 128: 0.92}
+# The consumer schedule per width: 128 x 256 tiles are cooperative (both warpgroups on each tile,
+# 64 x 256 each: a warpgroup cannot hold 128 x 256 accumulators); 128 x 128 tiles are ping-pong
+# (each warpgroup takes whole tiles in turn, so one's epilogue runs under the other's mainloop).
+TMA_PINGPONG: dict[int, bool] = {256: False, 128: True}
+# Throughput per unit of useful work when every wave is full (the wave model's third factor, see
+# tma_tile_n and tma_tile_rate), relative to 128 x 256 tiles whose epilogue would cost nothing.
+# Cooperative 128 x 256 tiles stop the tensor cores for each tile's epilogue, a cost that does not
+# shrink with K: rate K / (K + TMA_EPILOGUE_K). Ping-pong 128 x 128 tiles hide it under the other
+# warpgroup's mainloop but move 1.33x the bytes per FLOP into shared memory (32 KiB per 2.1 MFLOP
+# vs 48 KiB per 4.2): a constant rate. Calibrated on an H100 (bf16, NN and NT, both widths
+# forced, shapes whose waves are full for both, K from 768 to 8192: ping-pong / cooperative
+# throughput 1.08-1.10 at K = 768, 1.07 at 1024, 0.96 at 8192; benchmarks/NOTES.md, matmul v7).
+TMA_EPILOGUE_K = 128
+TMA_PINGPONG_RATE = 0.94
 # Dynamic shared memory per width, as raw_kernels/matmul_tc.cu's tma::Cfg<BN> lays it out: as many
 # ring stages (A + B k-tile: 48 / 32 KiB) as fit in 227 KiB beside the two epilogue staging buffers
 # (64 x (256 + 8) bytes each), 2 mbarriers per stage and 1 KiB lost to alignment: 4 / 6 stages.
@@ -293,24 +305,33 @@ def tma_if_aligned(g: Gemm) -> bool:
     return cc == 90 and optin >= max(TMA_SMEM.values())
 
 
+def tma_tile_rate(tile_n: int, K: int) -> float:
+    """Relative throughput of the TMA kernel's 128 x `tile_n` tiles on a problem of depth `K` when
+    every wave is full: ``TMA_PINGPONG_RATE`` for ping-pong tiles, ``K / (K + TMA_EPILOGUE_K)``
+    for cooperative ones (the epilogue's share of a tile's time falls as K grows)."""
+    if TMA_PINGPONG[tile_n]:
+        return TMA_PINGPONG_RATE
+    return K / (K + TMA_EPILOGUE_K) if K > 0 else 1.0
+
+
 def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
     """The TMA kernel's block-tile width (256 or 128, :data:`TMA_TILE_N`) for ``g`` on a device
     of `sms` multiprocessors (None: ``g``'s device): a wave-quantisation model.
 
     With 128 x bn tiles the persistent grid (one CTA per SM) runs
     ``tiles = ceil(M / 128) * ceil(N / bn) * batch`` in ``waves = ceil(tiles / sms)`` rounds of
-    one tile each, a tile taking time proportional to ``bn / TMA_TILE_RATE[bn]``. The fraction of
-    that time spent on the problem is ::
+    one tile each, a tile taking time proportional to ``bn / tma_tile_rate(bn, K)``. The fraction
+    of that time spent on the problem is ::
 
-        eff(bn) = M * N * batch / (waves * sms * 128 * bn) * TMA_TILE_RATE[bn]
+        eff(bn) = M * N * batch / (waves * sms * 128 * bn) * tma_tile_rate(bn, K)
 
     i.e. ``tiles / (waves * sms)`` (the SMs left idle in the last wave) times the part of the
     tiles inside C (ragged edge tiles compute zero-filled rows and columns) times the width's
     relative throughput. The width of the highest eff wins; a tie goes to the wider tile (fewer
-    bytes per FLOP). On 132 SMs: 8192 x 768 takes 192 tiles of 128 x 256 in 2 waves (eff 0.73)
-    or 384 of 128 x 128 in 3 (0.97 x 0.9 = 0.87): 128; 4096 x 4096 is 512 tiles in 4 full waves
-    (0.97) or 1024 in 8 (0.87): 256; 1024 x 1024: 32 tiles (0.24) or 64 (0.44): 128. K does not
-    enter: both widths run the same k-loop."""
+    bytes per FLOP). On 132 SMs: 8192 x 768 x 768 takes 192 tiles of 128 x 256 in 2 waves (eff
+    0.73 x 0.86 = 0.62) or 384 of 128 x 128 in 3 (0.97 x 0.94 = 0.91): 128; 4096 x 4096 x 4096 is
+    512 tiles in 4 full waves (0.97 x 0.97 = 0.94) or 1024 in 8 (0.97 x 0.94 = 0.91): 256, but
+    at K = 1024 the cooperative epilogue tips it (0.86): 128."""
     if sms is None:
         sms = device_caps(g.device).sm_count
     nb = g.batch_count
@@ -320,7 +341,7 @@ def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
         if tiles <= 0 or sms <= 0:
             return TMA_TILE_N[0]
         waves = -(-tiles // sms)
-        eff = g.M * g.N * nb / (waves * sms * BM * bn) * TMA_TILE_RATE[bn]
+        eff = g.M * g.N * nb / (waves * sms * BM * bn) * tma_tile_rate(bn, g.K)
         if eff > best_eff:
             best, best_eff = bn, eff
     return best
