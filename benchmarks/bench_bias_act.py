@@ -33,6 +33,9 @@ no autograd engine.
 
 ``--dry-run`` runs the same code on the CPU with tiny sizes (cukit's CPU path, torch.compile with
 the "eager" backend, perf_counter timing) so the harness logic is tested without a GPU.
+
+Results go to ``--out DIR``, else to a new temporary folder (printed); ``benchmarks/results/`` holds
+the committed ones and is written only when named (never by ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -697,7 +700,7 @@ def print_summary(b: Bench, env: dict[str, Any], host_rows: list[dict[str, Any]]
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/)")
+    harness.add_out_argument(p)
     p.add_argument("--quick", action="store_true", help="1M and 64M elements only, fewer repeats (< 60 s)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke mode: tiny sizes, torch CPU tensors, perf_counter timing")
@@ -714,6 +717,7 @@ def run(cfg: Config) -> tuple[Bench, list[dict[str, Any]], dict[str, Any], list[
     """Run every section; never raises for a failing case. Returns (bench, host rows, env, saved)."""
     torch = _torch()
     torch.manual_seed(cfg.seed)
+    cfg = harness.with_results_dir(cfg, NAME)
     b = Bench(cfg)
     b.meta["config"] = {k: v for k, v in vars(cfg).items()}
     if cfg.compile:
@@ -803,6 +807,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(args)
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    try:
+        cfg = harness.with_results_dir(cfg, NAME)
+    except ValueError as e:
+        print(f"{NAME}: {e}", file=sys.stderr)
         return 2
     run(cfg)
     return 0

@@ -54,7 +54,8 @@ Columns (``<out>/bench_host.json`` / ``.csv``):
 
 The summary (printed last) is the table, the count of rows that meet the target, and the failed
 cases. ``--dry-run`` runs every path on CPU tensors with few iterations (cukit's CPU path is its
-torch reference; the numbers mean nothing) and writes to a new temporary folder unless ``--out``.
+torch reference; the numbers mean nothing). Results go to ``--out DIR``, else to a new temporary
+folder (printed); ``benchmarks/results/`` is written only when named, never by ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -110,8 +110,7 @@ class Config:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/; a new temporary "
-                   "folder with --dry-run; '-' saves nothing)")
+    harness.add_out_argument(p)
     p.add_argument("--iters", type=int, default=None, help="calls per timed round (default 200)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per side, interleaved (default 7)")
     p.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds (default 240)")
@@ -386,8 +385,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 def run(cfg: Config) -> Bench:
     torch = _torch()
-    if cfg.dry_run and cfg.out is None:  # a dry run never writes over committed results
-        cfg = replace(cfg, out=tempfile.mkdtemp(prefix=f"{NAME}-dry-"))
+    cfg = harness.with_results_dir(cfg, NAME)
     b = Bench(cfg)
     env = harness.environment()
     print(f"{NAME}: {env.get('gpu') or cfg.device} | torch {torch.__version__} | iters {cfg.iters} x "
@@ -415,6 +413,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(parse_args(argv))
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    try:
+        cfg = harness.with_results_dir(cfg, NAME)
+    except ValueError as e:
+        print(f"{NAME}: {e}", file=sys.stderr)
         return 2
     with harness.one_cpu_thread(cfg.device):
         run(cfg)

@@ -20,7 +20,9 @@ fp16      float16     likewise
 Sections, in the order they run (the issue's targets first, so a run cut short by ``--budget-s``
 still has them):
 
-1. the headline cases: fp32 4096^3, bf16 4096^3 and 8192^3, bf16 4097x4095x4093 (M x N x K), and
+1. the headline cases: fp32 4096^3, bf16 4096^3 and 8192^3, the in-model shapes in bf16 (1024^3,
+   8192x768x768 and 4096x4096x1024: ``cukit.matmul(a, b)`` per call, target 0.9x cuBLAS),
+   bf16 4097x4095x4093 (M x N x K), and
    ``cukit.linear(x, W, b, "gelu")`` vs torch eager ``F.gelu(F.linear(x, W, b))`` in bf16 at a
    transformer MLP shape (x 8192x4096, W 16384x4096);
 2. every mode over square sizes 256 ... 8192, 4097x4095x4093, 32768x1024x1024, and a batched bf16
@@ -46,7 +48,8 @@ TFLOP/s = 2*M*N*K*batch / time; ``vs_cublas`` (``vs_torch`` for linear) = baseli
 timing); ``--dry-run --device cuda`` runs those tiny sizes through the real CUDA paths. A full run
 takes < 4 minutes on an H100/H200 (``--budget-s`` default 200), ``--quick`` < 60 s.
 
-Results: ``<out>/bench_matmul.{json,csv,png}`` and nothing else (default ``benchmarks/results/``).
+Results: ``<out>/bench_matmul.{json,csv,png}`` and nothing else (``--out DIR``, else a new temporary
+folder, printed; ``benchmarks/results/`` is written only when named, never by ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ TARGET_FP32 = 0.9
 TARGET_BF16 = 0.75
 TARGET_ODD = 3.0
 TARGET_LINEAR = 1.2
+TARGET_MEDIUM = 0.9  # the in-model issue: cukit.matmul bf16 per call at the shapes models use
 
 # A tf32 result closer to the float64 product than this was computed without TF32 rounding (TF32
 # is a permission: cukit and cuBLAS may fall back to IEEE float32); the summary says so.
@@ -129,6 +133,8 @@ class Config:
     # the sizes the targets are stated for (scaled down in dry runs)
     target_fp32: int = 4096
     target_bf16: tuple[int, ...] = (4096, 8192)
+    # the in-model issue's shapes (M, N, K): a small GEMM and two transformer projections
+    medium: tuple[Shape, ...] = ((1024, 1024, 1024), (8192, 768, 768), (4096, 4096, 1024))
     repeat_s: float = 0.3  # seconds of timed calls per implementation (adaptive repeat count)
     min_repeats: int = 3
     max_repeats: int = 100
@@ -154,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg = replace(
             cfg, device="cpu", squares={m: (16, 33) for m in MODES}, odd=(17, 15, 13), tall=(64, 16, 16),
             batched=(3, 8, 8, 8), linear=(32, 24, 16), v1_sizes=(), target_fp32=33, target_bf16=(16, 33),
+            medium=((16, 16, 16), (40, 24, 24), (32, 32, 8)),
             repeat_s=0.0, min_repeats=3, max_repeats=3, full_ref_rows=8, flush_l2=False, dry_run=True,
             budget_s=0.0,
         )
@@ -189,7 +196,7 @@ class Case:
     N: int
     K: int
     batch: int = 1
-    kind: str = "square"  # square, odd, tall, batched, linear
+    kind: str = "square"  # square, medium, odd, tall, batched, linear
     impls: tuple[str, ...] = ("cukit", "cuBLAS")
     headline: bool = False
 
@@ -224,6 +231,9 @@ def plan(cfg: Config) -> list[Case]:
     for n in cfg.target_bf16:
         if n in sq.get("bf16", ()):
             add(Case("matmul", "bf16", n, n, n, headline=True))
+    if "bf16" in modes:
+        for shape in cfg.medium:
+            add(Case("matmul", "bf16", *shape, kind="medium", headline=True))
     if "bf16" in cfg.odd_modes:
         add(Case("matmul", "bf16", *cfg.odd, kind="odd", headline=True))
     if "bf16" in cfg.linear_modes:
@@ -593,6 +603,9 @@ def target_lines(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
                    TARGET_FP32))
     for n in cfg.target_bf16:
         checks.append((f"bfloat16 {n}^3", "matmul", "bf16", (n, n, n), "cukit", "vs_cublas", TARGET_BF16))
+    for shape in cfg.medium:
+        checks.append(("bfloat16 {}x{}x{} (per call)".format(*shape), "matmul", "bf16", shape, "cukit",
+                       "vs_cublas", TARGET_MEDIUM))
     checks.append(("bfloat16 {}x{}x{}".format(*cfg.odd), "matmul", "bf16", cfg.odd, "cukit", "vs_cublas",
                    TARGET_ODD))
     checks.append(("linear+bias+GELU bf16 x {0}x{2} W {1}x{2}".format(*cfg.linear), "linear", "bf16", cfg.linear,
@@ -690,7 +703,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/)")
+    harness.add_out_argument(p)
     p.add_argument("--quick", action="store_true",
                    help="the target cases and a few sizes per mode, shorter timing (< 60 s)")
     p.add_argument("--dry-run", action="store_true",
@@ -712,6 +725,7 @@ def _meta(b: Bench) -> dict[str, Any]:
         "failures": b.failures,
         "elapsed_s": b.elapsed(),
         "targets": {"fp32_vs_cublas": TARGET_FP32, "bf16_vs_cublas": TARGET_BF16, "odd_bf16_vs_cublas": TARGET_ODD,
+                    "medium_bf16_vs_cublas": TARGET_MEDIUM,
                     "linear_vs_torch_eager": TARGET_LINEAR},
         "rel_tol": {m.name: m.rel_tol for m in MODES.values()},
         "torch_flags": {
@@ -726,6 +740,7 @@ def run(cfg: Config) -> tuple[Bench, dict[str, Any], list[str]]:
     """Run every case; never raises for a failing case. Returns (bench, env, saved paths)."""
     torch = _torch()
     torch.manual_seed(cfg.seed)
+    cfg = harness.with_results_dir(cfg, NAME)
     b = Bench(cfg)
     cases = plan(cfg)
     print(f"{NAME}: device {cfg.device}, modes {', '.join(cfg.modes)}, {len(cases)} cases, "
@@ -747,7 +762,7 @@ def run(cfg: Config) -> tuple[Bench, dict[str, Any], list[str]]:
     saved: list[str] = []
     try:
         paths = harness.save_results(b.rows, NAME, cfg.out, env=env, meta=_meta(b))
-        png = harness.plot(  # panels in MODES order, whatever order the cases ran in
+        png = None if not paths else harness.plot(  # panels in MODES order, whatever order the cases ran in
             sorted(b.rows, key=_case_order), paths[0].with_suffix(".png"),
             x="M", y="tflops", series="impl", panels=("panel",),
             where=lambda r: r.get("op") == "matmul" and r.get("kind") == "square",
@@ -767,6 +782,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(args)
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    try:
+        cfg = harness.with_results_dir(cfg, NAME)
+    except ValueError as e:
+        print(f"{NAME}: {e}", file=sys.stderr)
         return 2
     run(cfg)
     return 0

@@ -89,9 +89,10 @@ files), and keep ``--budget-s`` under the limit with room for one compile.
 
 ``--dry-run``: tiny configs (1-layer Llama/GPT-2 of width 64, batch 2 x 32 tokens; small demo
 models), 4 steps, on the CPU with the "eager" torch.compile backend and one torch thread
-(``--device cuda`` keeps the GPU and inductor); it writes to a new temporary folder unless
-``--out`` is given, so a dry run never overwrites committed results. Numbers from a dry run mean
-nothing.
+(``--device cuda`` keeps the GPU and inductor). Numbers from a dry run mean nothing.
+
+Results go to ``--out DIR``, else to a new temporary folder (printed); ``benchmarks/results/`` is
+written only when named, never by ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -102,7 +103,6 @@ import copy
 import math
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -178,9 +178,7 @@ def _csv_list(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None,
-                   help="results folder (default benchmarks/results/; a new temporary folder with --dry-run; "
-                        "'-' saves nothing)")
+    harness.add_out_argument(p)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help=f"comma-separated subset of {','.join(SETTINGS)}")
@@ -782,7 +780,7 @@ def save(b: Bench, env: dict[str, Any], out: str | None, final: bool) -> list[st
     if final:
         from pathlib import Path
 
-        png = harness.plot(loss_plot_points(b.rows), Path(out or harness.DEFAULT_OUT) / f"{name}.png",
+        png = harness.plot(loss_plot_points(b.rows), Path(paths[0]).with_suffix(".png"),
                            x="step", y="loss", series="series", panels=("model", "precision"), logx=False,
                            xlabel="step", ylabel="training loss",
                            title=f"loss curves: {env.get('gpu') or 'CPU dry run'}")
@@ -794,8 +792,7 @@ def save(b: Bench, env: dict[str, Any], out: str | None, final: bool) -> list[st
 def run(cfg: Config) -> Bench:
     """Every selected model; never raises for a failing case."""
     torch = _torch()
-    if cfg.dry_run and cfg.out is None:  # a dry run never writes over committed results
-        cfg = replace(cfg, out=tempfile.mkdtemp(prefix=f"{NAME}-dry-"))
+    cfg = harness.with_results_dir(cfg, NAME)
     b = Bench(cfg)
     with contextlib.suppress(Exception):
         import transformers
@@ -832,6 +829,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(parse_args(argv))
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    try:
+        cfg = harness.with_results_dir(cfg, NAME)
+    except ValueError as e:
+        print(f"{NAME}: {e}", file=sys.stderr)
         return 2
     with harness.one_cpu_thread(cfg.device):
         run(cfg)

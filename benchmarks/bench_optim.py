@@ -20,6 +20,9 @@ the effective bandwidth (the bytes the update must move: each list read once, ea
 written once), its fraction of the measured copy bandwidth, and the host microseconds per step
 (the CPU time to enqueue one step; the GPU keeps up because the step is queued behind the next).
 ``--dry-run`` runs tiny sizes on the CPU with perf_counter (the smoke test of this script).
+
+Results go to ``--out DIR`` ("-": none), else to a new temporary folder (printed);
+``benchmarks/results/`` is written only when named, never by ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -255,6 +258,7 @@ def run_case(
 def run(cfg: Config) -> list[dict[str, Any]]:
     import torch
 
+    cfg = harness.with_results_dir(cfg, NAME)
     env = harness.environment()
     print(f"{NAME}: {env.get('gpu') or 'cpu'}  torch {env.get('torch')}  commit {env.get('git_commit')}")
     copy_bw = harness.copy_bandwidth(cfg.device, nbytes=1 << 22 if cfg.dry_run else 1 << 30)
@@ -317,9 +321,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--out", default=None, help="results directory (default benchmarks/results; '-' saves nothing)"
-    )
+    harness.add_out_argument(ap)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, AdamW only")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (smoke test)")
     ap.add_argument("--budget-s", type=float, default=None)
@@ -337,6 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = replace(cfg, budget_s=args.budget_s)
     if cfg.device.startswith("cuda") and not harness.cuda_available():
         print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    try:
+        cfg = harness.with_results_dir(cfg, NAME)
+    except ValueError as e:
+        print(f"{NAME}: {e}", file=sys.stderr)
         return 2
     run(cfg)
     return 0

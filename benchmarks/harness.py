@@ -14,6 +14,9 @@ What each helper measures (see ``benchmarks/README.md``):
 - :func:`check_close`: validation before timing: relative-norm error, NaN checks and an
   elementwise ``atol + rtol * |expected|`` test, per dtype.
 - :func:`environment`, :func:`save_results`, :func:`plot`, :func:`print_table`: reporting.
+- :func:`add_out_argument`, :func:`results_dir`: where results go. Never ``benchmarks/results/`` (the
+  committed results) unless ``--out`` names it: without ``--out`` a run writes into a new temporary
+  folder and prints its path, and a ``--dry-run`` (numbers that mean nothing) refuses that folder.
 
 torch is imported lazily (a benchmark that only uses CuPy still works); matplotlib is optional.
 """
@@ -21,6 +24,7 @@ torch is imported lazily (a benchmark that only uses CuPy still works); matplotl
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -29,19 +33,22 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from argparse import ArgumentParser
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "DEFAULT_OUT",
     "REPO_ROOT",
+    "RESULTS_DIR",
     "CheckResult",
     "RunState",
     "Timing",
+    "add_out_argument",
     "check_close",
     "configure_dynamo",
     "copy_bandwidth",
@@ -57,14 +64,17 @@ __all__ = [
     "print_table",
     "quantile",
     "release_cuda_memory",
+    "results_dir",
     "save_results",
     "short_error",
     "synchronize",
     "time_cuda",
+    "with_results_dir",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"
+# The committed results (the figures NOTES.md cites): written only by a run whose --out names it.
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,6 +690,41 @@ def _columns_of(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(cols)
 
 
+def add_out_argument(parser: ArgumentParser) -> None:
+    """The ``--out`` option every benchmark takes (read it with :func:`results_dir`)."""
+    parser.add_argument(
+        "--out", default=None, metavar="DIR",
+        help="results folder (default: a new temporary folder, printed; '-' saves nothing). The committed "
+             "results in benchmarks/results/ are written only when named here, never by --dry-run",
+    )
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def results_dir(out: str | os.PathLike[str] | None, name: str, *, dry_run: bool = False) -> str:
+    """Where a run of benchmark `name` writes: `out` when given ("-": nothing), else a new temporary
+    folder, created and announced on stdout. ValueError for a dry run aimed at the committed
+    results (benchmarks/results/): its numbers mean nothing."""
+    if out is not None and str(out) == "-":
+        return "-"
+    if out is None:
+        path = tempfile.mkdtemp(prefix=f"{name}-dry-" if dry_run else f"{name}-")
+        print(f"{name}: results go to {path} (a new temporary folder; --out DIR to choose)", flush=True)
+        return path
+    if dry_run and _within(Path(out), RESULTS_DIR):
+        raise ValueError(f"--dry-run never writes into {RESULTS_DIR} (the committed results; dry-run numbers "
+                         f"mean nothing): drop --out for a temporary folder or name another; got --out {out}")
+    return str(out)
+
+
+def with_results_dir(cfg: Any, name: str) -> Any:
+    """A benchmark's config (a dataclass with ``out`` and ``dry_run``) with ``out`` resolved by
+    :func:`results_dir`: the same config once resolved, so calling it twice creates one folder."""
+    return dataclasses.replace(cfg, out=results_dir(cfg.out, name, dry_run=cfg.dry_run))
+
+
 def save_results(
     rows: Sequence[Mapping[str, Any]],
     name: str,
@@ -690,9 +735,11 @@ def save_results(
     plot_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write ``<name>.json`` (environment, meta and rows), ``<name>.csv`` (rows) and, when
-    matplotlib is importable and `plot_kwargs` is given, ``<name>.png`` into `out_dir` (default
-    ``benchmarks/results/``). Returns the paths written."""
-    out = Path(DEFAULT_OUT if out_dir is None else out_dir)
+    matplotlib is importable and `plot_kwargs` is given, ``<name>.png`` into `out_dir` (default:
+    a new temporary folder, see :func:`results_dir`; "-": nothing). Returns the paths written."""
+    if out_dir is not None and str(out_dir) == "-":
+        return []
+    out = Path(results_dir(None, name) if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     doc = {

@@ -14,11 +14,16 @@ A kernel file is declared once, by the op that uses it::
 together; one group is compiled on first use of any of its members. ``signatures`` gives each
 kernel's parameter types, so Python numbers are sent with the width the kernel expects (CuPy sends
 a Python float as a double, silently). ``cukit check-kernels`` compiles every declared
-instantiation of every module without a GPU (``cukit.cli.all_modules``).
+instantiation of every module without a GPU (``cukit._warmup.all_modules``); ``cukit warmup``
+compiles a chosen set ahead of time through this loader.
+
+A first call whose group takes longer than :data:`COMPILE_NOTICE_S` to compile prints one note to
+stderr (once per process; ``CUKIT_QUIET=1`` hides it): a user otherwise sees an op that seems to hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -30,7 +35,8 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,9 +48,11 @@ __all__ = [
     "KernelModule",
     "Launch",
     "PlanCache",
+    "compile_notices_muted",
     "cuda_include_dirs",
     "include_dir",
     "kernel_dir",
+    "quiet",
     "registered_modules",
 ]
 
@@ -66,6 +74,60 @@ class KernelCompileError(RuntimeError):
         self.arch = arch
         where = f" for {arch}" if arch else ""
         super().__init__(f"failed to compile {file} [{instantiation}]{where}:\n{log.strip()}")
+
+
+# --------------------------------------------------------------------------------------------
+# The first-compile note
+# --------------------------------------------------------------------------------------------
+
+# A group whose compile takes longer than this says so (once per process). Measured, then printed:
+# whether CuPy's on-disk cache holds the group is only known once it has loaded (in milliseconds) or
+# compiled (seconds), and NVRTC holds the GIL, so no timer thread could print while it compiles.
+COMPILE_NOTICE_S = 1.0
+_clock = time.perf_counter
+_notice_shown = False
+_notice_mute = threading.local()
+
+
+def quiet() -> bool:
+    """Whether ``CUKIT_QUIET`` is set (to anything but "" or "0"): cukit prints no notes of its own."""
+    return os.environ.get("CUKIT_QUIET", "").strip() not in ("", "0")
+
+
+@contextlib.contextmanager
+def compile_notices_muted() -> Iterator[None]:
+    """No first-compile note from this thread inside the block: ``cukit warmup`` and ``cukit info``
+    report their compiles themselves."""
+    _notice_mute.depth = getattr(_notice_mute, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _notice_mute.depth -= 1
+
+
+def _device_arch(device: int) -> str:
+    try:
+        from cukit._device import device_caps
+
+        return f"sm_{device_caps(device).cc}"
+    except Exception:  # a device query failing must not turn a finished compile into an error
+        return f"GPU {device}"
+
+
+def _compile_notice(what: str, arch: str, seconds: float) -> None:
+    """Print the first-compile note to stderr if this compile was slow and none was printed yet.
+    stderr, not ``warnings.warn``: shown by default, and a test run under ``-W error`` does not turn
+    it into an exception."""
+    global _notice_shown
+    if _notice_shown or seconds <= COMPILE_NOTICE_S or getattr(_notice_mute, "depth", 0) or quiet():
+        return
+    _notice_shown = True
+    print(
+        f"cukit: compiled {what} for {arch} in {seconds:.1f} s on first use; later runs reuse CuPy's "
+        "on-disk cache. `cukit warmup` compiles ahead of time; CUKIT_QUIET=1 hides this note.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,7 +370,13 @@ class KernelModule:
         with self._lock:
             fn = self._functions.get(key)
             if fn is None:
-                self._compile_group(self._group(name_expr), device)
+                group = self._group(name_expr)
+                t0 = _clock()
+                self._compile_group(group, device)
+                seconds = _clock() - t0
+                if seconds > COMPILE_NOTICE_S:
+                    _compile_notice(f"{os.path.basename(self.key)} [{group}]", self.arch or _device_arch(device),
+                                    seconds)
                 fn = self._functions[key]
         return fn
 

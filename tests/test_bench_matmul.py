@@ -5,9 +5,11 @@ run somewhere first. Nothing here asserts a speed."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any
@@ -53,11 +55,13 @@ def test_configs_and_plan(bench: Any) -> None:
     head = [c for c in cases if c.headline]
     assert cases[: len(head)] == head
     assert [(c.mode, c.shape_label) for c in head] == [
-        ("fp32", "4096^3"), ("bf16", "4096^3"), ("bf16", "8192^3"), ("bf16", "4097x4095x4093"),
+        ("fp32", "4096^3"), ("bf16", "4096^3"), ("bf16", "8192^3"), ("bf16", "1024x1024x1024"),
+        ("bf16", "8192x768x768"), ("bf16", "4096x4096x1024"), ("bf16", "4097x4095x4093"),
         ("bf16", "8192x16384x4096")]
     for mode in ("fp32", "tf32", "bf16", "fp16"):
         squares = sorted(c.M for c in cases if c.mode == mode and c.kind == "square" and c.impls[0] == "cukit")
-        assert squares == [256, 512, 1024, 2048, 4096, 8192]
+        # bf16 1024^3 runs once, as the in-model headline case
+        assert squares == ([256, 512, 2048, 4096, 8192] if mode == "bf16" else [256, 512, 1024, 2048, 4096, 8192])
         assert any(c.mode == mode and (c.M, c.N, c.K) == (4097, 4095, 4093) for c in cases)
         assert any(c.mode == mode and (c.M, c.N, c.K) == (32768, 1024, 1024) for c in cases)
     batched = [c for c in cases if c.kind == "batched"]
@@ -70,7 +74,8 @@ def test_configs_and_plan(bench: Any) -> None:
     quick = bench.config_from_args(bench.parse_args(["--quick"]))
     assert quick.budget_s < 60
     qcases = bench.plan(quick)
-    assert [c.shape_label for c in qcases if c.headline][:4] == ["4096^3", "4096^3", "8192^3", "4097x4095x4093"]
+    assert [c.shape_label for c in qcases if c.headline][:7] == [
+        "4096^3", "4096^3", "8192^3", "1024x1024x1024", "8192x768x768", "4096x4096x1024", "4097x4095x4093"]
     assert len(qcases) < len(cases) / 2
 
     dry = bench.config_from_args(bench.parse_args(["--dry-run", "--modes", "bf16,fp32", "--budget-s", "5"]))
@@ -226,33 +231,49 @@ def test_target_lines(bench: Any) -> None:
     rows = [
         row("matmul", "fp32", (4096,) * 3, "cukit", vs_cublas=0.95),
         row("matmul", "bf16", (4096,) * 3, "cukit", vs_cublas=0.70),
+        row("matmul", "bf16", (8192, 768, 768), "cukit", vs_cublas=0.91),
+        row("matmul", "bf16", (4096, 4096, 1024), "cukit", vs_cublas=0.89),
         row("matmul", "bf16", (4097, 4095, 4093), "cukit", error="AssertionError: boom"),
         row("linear", "bf16", full.linear, "cukit.linear", vs_torch=1.25),
     ]
     lines = bench.target_lines(rows, full)
     text = "\n".join(lines)
-    assert len(lines) == 5
+    assert len(lines) == 8
     assert lines[0].split()[0] == "PASS" and "4096^3" in lines[0]
     assert lines[1].split()[0] == "FAIL" and "0.700x" in lines[1]
     assert lines[2].split()[0] == "NOT" and "8192^3" in lines[2]
-    assert lines[3].split()[0] == "FAIL" and "boom" in lines[3]
-    assert lines[4].split()[0] == "PASS" and "linear" in lines[4]
+    assert lines[3].split()[0] == "NOT" and "1024x1024x1024 (per call)" in lines[3]
+    assert lines[4].split()[0] == "PASS" and "8192x768x768" in lines[4] and "(target >= 0.9x)" in lines[4]
+    assert lines[5].split()[0] == "FAIL" and "0.890x" in lines[5]
+    assert lines[6].split()[0] == "FAIL" and "boom" in lines[6]
+    assert lines[7].split()[0] == "PASS" and "linear" in lines[7]
     assert "(info)" not in text
     lines = bench.target_lines([*rows, row("linear", "fp32", full.linear, "cukit.linear", vs_torch=1.01)], full)
     assert "(info)" in lines[-1] and "1.010x" in lines[-1]
 
 
+def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
+    return {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.iterdir()) if p.is_file()}
+
+
 @needs_matmul
-def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
+def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --out: a new temporary folder; benchmarks/results/ (committed) is left as it was."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = _snapshot(BENCH_DIR / "results")
+    assert bench.main(["--dry-run"]) == 0
+    assert _snapshot(BENCH_DIR / "results") == before
+    (out_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("bench_matmul-dry-")]
     out = capsys.readouterr().out
     tail = out[out.index("SUMMARY bench_matmul"):]
     assert "targets (dry run" in tail and "all cases validated and timed" in tail
-    assert tail.splitlines()[-1].startswith("results:")  # the summary is last
-    assert set(p.name for p in tmp_path.iterdir()) <= {"bench_matmul.json", "bench_matmul.csv",
-                                                       "bench_matmul.png"}
-    assert (tmp_path / "bench_matmul.csv").exists()
-    doc = json.loads((tmp_path / "bench_matmul.json").read_text())
+    assert tail.splitlines()[-1].startswith(f"results: {out_dir}")  # the summary is last
+    assert set(p.name for p in out_dir.iterdir()) <= {"bench_matmul.json", "bench_matmul.csv",
+                                                      "bench_matmul.png"}
+    assert (out_dir / "bench_matmul.csv").exists()
+    doc = json.loads((out_dir / "bench_matmul.json").read_text())
     rows = doc["rows"]
     errors = [(r["op"], r["mode"], r["shape"], r["impl"], r.get("error")) for r in rows if r.get("error")]
     assert not errors, errors
@@ -266,7 +287,7 @@ def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str])
         if r["impl"] == "cukit.linear":
             assert r["vs_torch"] > 0
     assert {r["mode"] for r in rows} == {"fp32", "tf32", "bf16", "fp16"}
-    assert {r["kind"] for r in rows} == {"square", "odd", "tall", "batched", "linear"}
+    assert {r["kind"] for r in rows} == {"square", "medium", "odd", "tall", "batched", "linear"}
     assert any(r.get("ref_rows", 0) < r["M"] for r in rows)  # the row subsample was exercised
     for line in tail.splitlines():
         if line.startswith("  ") and "(target >=" in line:

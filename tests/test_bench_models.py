@@ -13,6 +13,7 @@ CUDA-only); the GPU test requires every row.
 from __future__ import annotations
 
 import csv
+import hashlib
 import importlib
 import json
 import shutil
@@ -145,7 +146,7 @@ def test_models_dry_run_defaults_to_a_temporary_folder(models: Any) -> None:
     try:
         out = Path(b.cfg.out)
         assert out.is_relative_to(Path(tempfile.gettempdir()))
-        assert not out.is_relative_to(Path(models.harness.DEFAULT_OUT))
+        assert not out.is_relative_to(Path(models.harness.RESULTS_DIR))
         assert (out / "bench_models-mlp-eager-bf16.json").exists()
     finally:
         shutil.rmtree(b.cfg.out, ignore_errors=True)
@@ -244,12 +245,23 @@ def test_models_failures_are_recorded_not_fatal(models: Any, monkeypatch: pytest
 # ---------------------------------------------------------------------------------------------
 
 
-def test_host_dry_run(host: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert host.main(["--dry-run", "--out", str(tmp_path)]) == 0
+def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
+    return {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_host_dry_run(host: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --out: a new temporary folder; benchmarks/results/ (committed) is left as it was."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = _snapshot(BENCH_DIR / "results")
+    assert host.main(["--dry-run"]) == 0
+    assert _snapshot(BENCH_DIR / "results") == before
+    (out_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("bench_host-dry-")]
     tail = _summary_is_last(capsys.readouterr().out, "bench_host")
     assert "numbers mean nothing" in tail and "target: cukit host cost <= 1.5x" in tail
-    assert {p.name for p in tmp_path.iterdir()} == {"bench_host.json", "bench_host.csv"}
-    doc, csv_rows = _load(tmp_path, "bench_host")
+    assert {p.name for p in out_dir.iterdir()} == {"bench_host.json", "bench_host.csv"}
+    doc, csv_rows = _load(out_dir, "bench_host")
     rows = doc["rows"]
     missing = HOST_COLUMNS - set(csv_rows[0])
     assert not missing, missing

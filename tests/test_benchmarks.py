@@ -1,4 +1,6 @@
-"""CPU smoke tests of benchmarks/harness.py and of ``bench_bias_act.py --dry-run``.
+"""CPU smoke tests of benchmarks/harness.py and of ``bench_bias_act.py --dry-run``, and the rule
+every bench follows for where results go (``--out DIR``, else a new temporary folder; never the
+committed benchmarks/results/ from a dry run).
 
 The benchmarks run for real only on a GPU (``make gpu-check``); these tests make sure every code
 path they take has run somewhere first: the CUDA-event timing loop against a fake ``torch.cuda``,
@@ -9,10 +11,12 @@ A benchmark is never a timed test: nothing here asserts a speed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,6 +26,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+RESULTS = BENCH_DIR / "results"
+BENCHES = ("bench_bias_act", "bench_matmul", "bench_optim", "bench_host", "bench_models")
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, str]]:
+    """Each file's mtime and hash: a run that rewrites a committed result changes one of them."""
+    return {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +200,58 @@ def test_environment_and_save_results(harness: Any, tmp_path: Path) -> None:
         assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_results_dir_rules(harness: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert harness.RESULTS_DIR == RESULTS
+    made = Path(harness.results_dir(None, "bench_x"))
+    assert made.parent == tmp_path and made.is_dir() and made.name.startswith("bench_x-")
+    assert f"bench_x: results go to {made}" in capsys.readouterr().out
+    assert Path(harness.results_dir(None, "bench_x", dry_run=True)).name.startswith("bench_x-dry-")
+    assert harness.results_dir(tmp_path / "mine", "bench_x", dry_run=True) == str(tmp_path / "mine")
+    assert harness.results_dir("-", "bench_x", dry_run=True) == "-"
+    assert harness.results_dir(RESULTS, "bench_x") == str(RESULTS)  # a real run, told to: allowed
+    for committed in (RESULTS, RESULTS / "sub", BENCH_DIR / "results" / ".." / "results"):
+        with pytest.raises(ValueError, match="--dry-run never writes into"):
+            harness.results_dir(committed, "bench_x", dry_run=True)
+    # a config resolved once keeps its folder (main() resolves, then run() again for direct callers)
+
+    @dataclasses.dataclass
+    class Cfg:
+        out: str | None = None
+        dry_run: bool = True
+
+    resolved = harness.with_results_dir(Cfg(), "bench_x")
+    assert Path(resolved.out).parent == tmp_path
+    assert harness.with_results_dir(resolved, "bench_x") == resolved
+    # save_results without a folder: a temporary one too; "-": nothing
+    paths = harness.save_results([{"a": 1}], "t", env={})
+    assert paths and paths[0].parent.parent == tmp_path
+    assert harness.save_results([{"a": 1}], "t", "-", env={}) == []
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_every_bench_follows_the_out_rule(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str], harness: Any) -> None:
+    """Each script's main with its run() stubbed: where the run would write, and the refusals."""
+    module = importlib.import_module(name)
+    seen: list[str] = []
+    monkeypatch.setattr(module, "run", lambda cfg: seen.append(cfg.out))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = snapshot(RESULTS)
+
+    assert module.main(["--dry-run"]) == 0
+    (made,) = [p for p in tmp_path.iterdir() if p.name.startswith(module.NAME)]
+    assert seen == [str(made)] and made.name.startswith(f"{module.NAME}-dry-")
+    assert f"{module.NAME}: results go to {made}" in capsys.readouterr().out
+    assert module.main(["--dry-run", "--out", str(tmp_path / "mine")]) == 0
+    assert module.main(["--dry-run", "--out", "-"]) == 0
+    assert seen[1:] == [str(tmp_path / "mine"), "-"]
+    assert module.main(["--dry-run", "--out", str(RESULTS)]) == 2
+    assert len(seen) == 3 and "--dry-run never writes into" in capsys.readouterr().err
+    assert snapshot(RESULTS) == before
+
+
 # ---------------------------------------------------------------------------------------------
 # bench_bias_act
 # ---------------------------------------------------------------------------------------------
@@ -204,16 +268,26 @@ def test_configs(bench: Any) -> None:
     assert bench.fmt_numel(1 << 26) == "64M" and bench.fmt_numel(1000) == "1000"
 
 
-def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
+def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --out: the results go to a new temporary folder; the committed ones stay as they were."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = snapshot(RESULTS)
+    assert bench.main(["--dry-run"]) == 0
+    assert snapshot(RESULTS) == before
+    # (torch.compile puts its own caches in the temporary directory too)
+    (out_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("bench_bias_act-")]
+    assert out_dir.name.startswith("bench_bias_act-dry-")
     out = capsys.readouterr().out
+    assert out.startswith(f"bench_bias_act: results go to {out_dir}")
     assert "SUMMARY bench_bias_act" in out and "targets (forward" in out
     tail = out[out.index("SUMMARY"):]
     assert "small-call host cost" in tail and "results:" in tail.splitlines()[-1]  # summary is last
-    doc = json.loads((tmp_path / "bench_bias_act.json").read_text())
-    assert (tmp_path / "bench_bias_act.csv").exists()
-    assert set(p.name for p in tmp_path.iterdir()) <= {"bench_bias_act.json", "bench_bias_act.csv",
-                                                       "bench_bias_act.png"}
+    assert str(out_dir / "bench_bias_act.json") in tail.splitlines()[-1]
+    doc = json.loads((out_dir / "bench_bias_act.json").read_text())
+    assert (out_dir / "bench_bias_act.csv").exists()
+    assert set(p.name for p in out_dir.iterdir()) <= {"bench_bias_act.json", "bench_bias_act.csv",
+                                                      "bench_bias_act.png"}
     rows = doc["rows"]
     ops = {r["op"] for r in rows}
     assert ops == {"copy", "host", "fwd", "bwd"}

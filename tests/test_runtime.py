@@ -1,14 +1,16 @@
-"""The loader: sources, header digests, typed arguments, caching, compile errors, check-kernels."""
+"""The loader: sources, header digests, typed arguments, caching, compile errors, the first-compile
+note, check-kernels."""
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cukit import KernelCompileError, cli
+from cukit import KernelCompileError, _warmup, cli
 from cukit import _runtime as rt
 from cukit.cli import main as cli_main
 
@@ -118,6 +120,61 @@ def test_compile_cache_compiles_each_group_once_per_device(tmp_path: Path, monke
     assert calls == [("f32", 0), ("f16", 0), ("f32", 1)]
 
 
+class _SlowCompiles:
+    """A fake compile of `m`'s groups that advances a fake clock by each group's duration."""
+
+    def __init__(self, m: rt.KernelModule, seconds: dict[str, float], monkeypatch) -> None:
+        self.m, self.seconds, self.now, self.calls = m, seconds, 0.0, 0
+        monkeypatch.setattr(rt, "_clock", lambda: self.now)
+        monkeypatch.setattr(m, "_compile_group", self)
+        monkeypatch.setattr(rt, "_notice_shown", False)
+        monkeypatch.setattr(rt, "_device_arch", lambda device: f"sm_9{device}")
+        monkeypatch.delenv("CUKIT_QUIET", raising=False)
+
+    def __call__(self, group: str, device: int) -> None:
+        self.calls += 1
+        self.now += self.seconds[group]
+        for e in self.m.instantiations[group]:
+            self.m._functions[(e, device)] = f"fn:{e}:{device}"
+
+
+def test_first_compile_note_once_and_only_when_slow(tmp_path: Path, monkeypatch, capsys):
+    m = _module(tmp_path, GOOD)
+    fake = _SlowCompiles(m, {"f32": 0.4, "f16": 3.25}, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a note, not a warning: `-W error` runs are unaffected
+        m.function("scale<float>", 0)  # under the threshold (a disk-cache hit is milliseconds)
+        assert capsys.readouterr().err == ""
+        m.function("scale<__half>", 0)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cukit: compiled user_kernel.cu [f16] for sm_90 in 3.2 s")
+    assert "`cukit warmup`" in err and "CUKIT_QUIET=1" in err
+    m.function("scale<__half>", 0)  # in the process's table: no compile
+    m.function("scale<__half>", 1)  # another slow compile: the note was shown already
+    assert fake.calls == 3 and capsys.readouterr().err == ""
+
+
+def test_first_compile_note_can_be_silenced(tmp_path: Path, monkeypatch, capsys):
+    m = _module(tmp_path, GOOD)
+    fake = _SlowCompiles(m, {"f32": 2.0, "f16": 2.0}, monkeypatch)
+    monkeypatch.setenv("CUKIT_QUIET", "1")
+    m.function("scale<float>", 0)
+    monkeypatch.setenv("CUKIT_QUIET", "0")
+    with rt.compile_notices_muted():  # what warmup and `cukit info` do around their own compiles
+        m.function("scale<__half>", 0)
+    assert capsys.readouterr().err == "" and fake.calls == 2
+    m.function("scale<float>", 1)  # silenced compiles did not use up the one note
+    assert "for sm_91 in 2.0 s" in capsys.readouterr().err
+
+
+def test_first_compile_note_names_the_target_of_an_arch_specific_module(tmp_path: Path, monkeypatch, capsys):
+    assert rt._device_arch(10_000).startswith(("sm_", "GPU 10000"))  # a failed device query does not raise
+    m = _module(tmp_path, GOOD, arch="sm_90a")
+    _SlowCompiles(m, {"f32": 1.5, "f16": 1.5}, monkeypatch)
+    m.function("scale<float>", 0)
+    assert "compiled user_kernel.cu[sm_90a] [f32] for sm_90a in 1.5 s" in capsys.readouterr().err
+
+
 def test_every_declared_instantiation_has_a_signature():
     mods = cli.all_modules()
     assert "bias_act.cu" in mods
@@ -149,14 +206,14 @@ def test_compile_error_names_file_instantiation_and_log(tmp_path: Path):
 def test_check_kernels_cli_counts_and_fails(tmp_path: Path, capsys, monkeypatch):
     # The CLI over a small registry (`make test` runs the real one over every kernel file).
     good = _module(tmp_path, GOOD)
-    monkeypatch.setattr(cli, "all_modules", lambda: {"good.cu": good})
+    monkeypatch.setattr(_warmup, "all_modules", lambda: {"good.cu": good})
     assert cli_main(["check-kernels", "--arch", "sm_80,sm_90"]) == 0
     out = capsys.readouterr().out
     assert "compiled 4 instantiations for sm_80,sm_90, 0 failed" in out
     bad_dir = tmp_path / "bad"
     bad_dir.mkdir()
     bad = _module(bad_dir, BAD)
-    monkeypatch.setattr(cli, "all_modules", lambda: {"good.cu": good, "user_kernel.cu": bad})
+    monkeypatch.setattr(_warmup, "all_modules", lambda: {"good.cu": good, "user_kernel.cu": bad})
     assert cli_main(["check-kernels", "--arch", "sm_80"]) == 1
     err = capsys.readouterr()
     assert "FAIL user_kernel.cu" in err.err and "2 failed" in err.out
