@@ -35,8 +35,25 @@ def test_array_kind_and_device():
     assert interop.array_kind(np.zeros(2)) == "numpy"
     assert interop.array_kind(torch.zeros(2)) == "torch"
     assert interop.device_of(torch.zeros(2)) is None
-    with pytest.raises(TypeError, match=r"expected a numpy\.ndarray, cupy\.ndarray or torch\.Tensor, got builtins\.list"):
+    with pytest.raises(
+        interop.NotAnArrayError, match=r"x must be a numpy\.ndarray, cupy\.ndarray or torch\.Tensor; got list"
+    ):
         interop.array_kind([1.0, 2.0])
+
+
+def test_array_likes_convert_as_numpy_asarray_does_in_the_first_arrays_library():
+    assert [a.dtype for a in interop.as_arrays("f", [("a", [1.0]), ("b", [1]), ("c", [True]), ("d", 2.5)])] == [
+        np.float64, np.int64, np.bool_, np.float64]
+    t = torch.zeros(2, dtype=torch.float16)
+    a, b, c = interop.as_arrays("f", [("a", [1.0, 2.0]), ("b", t), ("c", (1, 2))])
+    assert b is t and isinstance(a, torch.Tensor) and a.dtype == torch.float64 and c.dtype == torch.int64
+    arr = np.zeros(2, np.float32)
+    x, y = interop.as_arrays("f", [("x", arr), ("y", [1.0, 2.0])])
+    assert x is arr and isinstance(y, np.ndarray) and y.dtype == np.float64
+    with pytest.raises(TypeError, match=r"^f: y must be an array-like convertible to a numeric array; got NoneType$"):
+        interop.as_arrays("f", [("x", arr), ("y", None)])
+    assert interop.is_array(arr) and interop.is_array(t) and not interop.is_array([1.0])
+    assert interop.dtype_name(t) == "float16" and interop.dtype_name(arr) == "float32"
 
 
 def test_asarray_rejects_host_memory_with_a_clear_error():

@@ -482,6 +482,37 @@ def test_check_against_oracle_multiple_outputs():
         check_against_oracle(lambda *a: ref(*a)[0], ref, g, x, b, "gelu")
 
 
+def test_check_against_oracle_checks_the_output_dtype():
+    x, b = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float16), np.zeros(3, np.float16)
+
+    def upcasts(x, bias, activation):  # right values, wrong dtype: a float16 op must return float16
+        return reference_numpy(x.astype(np.float32), bias.astype(np.float32), activation)
+
+    with pytest.raises(AssertionError, match=r"output: op returned dtype float32; expected float16 \(the inputs' floating dtype"):
+        check_against_oracle(upcasts, reference_numpy, x, b, "relu")
+    check_against_oracle(upcasts, reference_numpy, x, b, "relu", out_dtype="float32")  # by design: say so
+    tx, tb = torch.from_numpy(x), torch.from_numpy(b)
+    with pytest.raises(AssertionError, match=r"op returned dtype float32; expected float16"):
+        check_against_oracle(lambda x, bias, a: cukit.bias_act(x.float(), bias.float(), a), reference_numpy, tx, tb, "gelu")
+    ref = cukit.ops.bias_act.reference_backward_numpy
+    g, x64, b64 = np.ones((2, 3)), np.ones((2, 3)), np.ones(3)
+
+    def wrong_dbias_dtype(*args):
+        dx, db = ref(*args)
+        return dx, db.astype(np.float32)
+
+    with pytest.raises(AssertionError, match=r"output 1 of 2: op returned dtype float32; expected float64"):
+        check_against_oracle(wrong_dbias_dtype, ref, g, x64, b64, "silu")
+    check_against_oracle(wrong_dbias_dtype, ref, g, x64, b64, "silu", out_dtype=[None, np.float32], atol=1e-6, rtol=1e-6)
+
+    def argmax(a):  # integer outputs must have the oracle's dtype
+        return a.argmax(axis=-1)
+
+    check_against_oracle(argmax, lambda a: a.argmax(axis=-1), x64)
+    with pytest.raises(AssertionError, match=r"op returned dtype int32; expected int64 \(the oracle's output dtype"):
+        check_against_oracle(lambda a: argmax(a).astype(np.int32), lambda a: a.argmax(axis=-1), x64)
+
+
 def test_check_against_oracle_sees_inputs_before_the_op_mutates_them():
     x = np.arange(6, dtype=np.float32)
 

@@ -14,9 +14,30 @@ import numpy as np
 
 from cukit._device import sm_count
 from cukit._runtime import KernelModule, PlanCache
-from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of, dtype_of
+from cukit.interop import (
+    DTYPES,
+    DType,
+    NotAnArrayError,
+    array_class,
+    array_kind,
+    as_array,
+    current_stream,
+    device_of,
+    dtype_name,
+    is_array,
+    not_an_array_error,
+    type_name,
+)
 
-__all__ = ["ACTIVATIONS", "bias_act", "bias_act_backward", "reference_numpy", "reference_torch"]
+__all__ = [
+    "ACTIVATIONS",
+    "as_bias",
+    "as_operands",
+    "bias_act",
+    "bias_act_backward",
+    "reference_numpy",
+    "reference_torch",
+]
 
 # Ids match enum Activation in raw_kernels/include/cukit/activations.cuh.
 ACTIVATIONS: dict[str, int] = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -62,46 +83,134 @@ _INT32_MAX = 2**31 - 1
 # ---------------------------------------------------------------------------------------------
 
 
-def activation_id(activation: str) -> int:
+def activation_id(activation: str | None, fn: str = "cukit.bias_act", *, allow_none: bool = False) -> int:
+    """The kernel's id of an activation name; -1 for None when ``allow_none`` (linear's "no
+    activation"). ValueError naming fn and the accepted values otherwise."""
     try:
-        return ACTIVATIONS[activation]
+        return ACTIVATIONS[activation]  # type: ignore[index]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}; got {activation!r}"
-        ) from None
+        if allow_none and activation is None:
+            return -1
+        names = (["None"] if allow_none else []) + [repr(a) for a in ACTIVATIONS]
+        raise ValueError(f"{fn}: activation must be one of {', '.join(names)}; got {activation!r}") from None
 
 
-def validate(x: Any, bias: Any, activation: str) -> tuple[str, int, DType]:
-    """Check the arguments of bias_act and return (array kind, activation id, dtype)."""
-    kind = array_kind(x)
-    if array_kind(bias) != kind:
-        raise TypeError(f"bias must be the same array type as x ({kind}); got {type(bias).__qualname__}")
-    act = activation_id(activation)
-    dt = dtype_of(x)
-    if dt.name not in FLOAT_DTYPES:
-        raise TypeError(f"x must have a floating dtype ({', '.join(FLOAT_DTYPES)}); got {dt}")
-    if dtype_of(bias) != dt:
-        raise TypeError(f"bias must have x's dtype {dt}; got {dtype_of(bias)}")
+def _dtypes_text(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def validate(x: Any, bias: Any, activation: str, fn: str = "cukit.bias_act") -> tuple[str, int, DType]:
+    """Check the arguments of bias_act and return (array kind, activation id, dtype).
+
+    Raises NotAnArrayError when x or bias is not an array (the public ops then convert array-likes),
+    TypeError/ValueError naming fn and the argument otherwise."""
+    try:
+        kind = array_kind(x)
+        bias_kind = array_kind(bias)
+    except NotAnArrayError:
+        raise not_an_array_error(fn, (("x", x), ("bias", bias))) from None
+    if bias_kind != kind:
+        raise TypeError(f"{fn}: bias must be the same array type as x ({array_class(kind)}); got {type_name(bias)}")
+    act = activation_id(activation, fn)
+    name = dtype_name(x, kind)
+    if name not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: x must have dtype {_dtypes_text(FLOAT_DTYPES)}; got {name}")
+    if bias.dtype != x.dtype and dtype_name(bias, kind) != name:  # names: byte order is no mismatch
+        raise TypeError(
+            f"{fn}: bias must have x's dtype {name}; got {dtype_name(bias, kind)} "
+            "(no dtype promotion here: cast one of them)"
+        )
     if x.ndim < 1:
-        raise ValueError("x must have at least one dimension (bias broadcasts over the last)")
+        raise ValueError(f"{fn}: x must have at least one dimension (..., C), bias broadcasting over the last; got shape ()")
     if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
-        raise ValueError(f"bias must have shape ({x.shape[-1]},) to match x's last dimension; got {tuple(bias.shape)}")
+        raise ValueError(
+            f"{fn}: bias must have shape ({x.shape[-1]},) to match x's last dimension (x has shape "
+            f"{tuple(x.shape)}); got {tuple(bias.shape)}"
+        )
     dx, db = device_of(x), device_of(bias)
     if dx != db:
-        raise ValueError(f"x and bias must be on the same device; got {_where(dx)} and {_where(db)}")
-    return kind, act, dt
+        raise ValueError(f"{fn}: x and bias must be on the same device; got {_where(dx)} and {_where(db)}")
+    return kind, act, DTYPES[name]
 
 
 def _check_grad(fn: str, grad: Any, x: Any, kind: str) -> None:
-    """grad must be x's array type, dtype, shape and device."""
-    if array_kind(grad) != kind:
-        raise TypeError(f"{fn}: grad must be the same array type as x ({kind}); got {type(grad).__qualname__}")
-    if dtype_of(grad) != dtype_of(x):
-        raise TypeError(f"{fn}: grad must have x's dtype {dtype_of(x)}; got {dtype_of(grad)}")
+    """grad must be x's array type, dtype, shape and device. NotAnArrayError when it is no array."""
+    try:
+        grad_kind = array_kind(grad)
+    except NotAnArrayError:
+        raise not_an_array_error(_qualified(fn), (("grad", grad),)) from None
+    if grad_kind != kind:
+        raise TypeError(
+            f"{_qualified(fn)}: grad must be the same array type as x ({array_class(kind)}); got {type_name(grad)}"
+        )
+    if grad.dtype != x.dtype and dtype_name(grad, kind) != dtype_name(x, kind):
+        raise TypeError(
+            f"{_qualified(fn)}: grad must have x's dtype {dtype_name(x, kind)}; got grad with dtype "
+            f"{dtype_name(grad, kind)}"
+        )
     if tuple(grad.shape) != tuple(x.shape):
-        raise ValueError(f"{fn}: grad must have x's shape {tuple(x.shape)}; got {tuple(grad.shape)}")
+        raise ValueError(f"{_qualified(fn)}: grad must have x's shape {tuple(x.shape)}; got {tuple(grad.shape)}")
     if device_of(grad) != device_of(x):
-        raise ValueError(f"{fn}: grad must be on x's device ({_where(device_of(x))}); got {_where(device_of(grad))}")
+        raise ValueError(
+            f"{_qualified(fn)}: grad must be on x's device ({_where(device_of(x))}); got {_where(device_of(grad))}"
+        )
+
+
+def _qualified(fn: str) -> str:
+    return fn if fn.startswith("cukit.") else f"cukit.{fn}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Array-likes (lists, tuples, scalars): converted off the arrays' path
+# ---------------------------------------------------------------------------------------------
+
+_NO_GRAD: Any = object()
+
+
+def as_bias(bias: Any, x: Any, fn: str, size: int | None) -> Any:
+    """A bias that is not an array, as an array like x (x is an array).
+
+    A scalar (Python or NumPy, or anything that converts to a 0-d array) broadcasts to ``(size,)``,
+    as ``x + bias`` would in NumPy; a Python bool/int/float takes x's floating dtype (NumPy's weak
+    scalars, NEP 50), a NumPy scalar keeps its own dtype. Other array-likes convert with
+    ``numpy.asarray``'s dtype (see ``cukit.interop.as_array``). size None (no valid size is known):
+    a scalar stays 0-d, for the validation to report the other argument.
+    """
+    kind = array_kind(x)
+    weak = type(bias) in (bool, int, float) and dtype_name(x, kind) in FLOAT_DTYPES
+    if not weak:
+        bias = as_array(bias, fn, "bias", like=x)
+        if bias.ndim or size is None:
+            return bias
+    shape = () if size is None else (size,)
+    if kind == "torch":
+        import torch
+
+        if weak:
+            return torch.full(shape, bias, dtype=x.dtype, device=x.device)
+        return bias.expand(shape).contiguous()
+    if kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(x.device.id):
+            if weak:
+                return cupy.full(shape, bias, dtype=x.dtype)
+            return cupy.ascontiguousarray(cupy.broadcast_to(bias, shape))
+    return np.full(shape, bias, dtype=x.dtype if weak else bias.dtype)
+
+
+def as_operands(fn: str, x: Any, bias: Any, grad: Any = _NO_GRAD) -> tuple[Any, Any, Any]:
+    """(x, bias, grad) of bias_act / bias_act_backward with array-likes converted: like the first
+    array among x, grad and bias (NumPy if none is), bias by ``as_bias``. Arrays stay as they are."""
+    has_grad = grad is not _NO_GRAD
+    like = next((t for t in (x, grad if has_grad else None, bias) if is_array(t)), None)
+    if not is_array(x):
+        x = as_array(x, fn, "x", like)
+    if has_grad and not is_array(grad):
+        grad = as_array(grad, fn, "grad", like)
+    if not is_array(bias):
+        bias = as_bias(bias, x, fn, x.shape[-1] if x.ndim else None)
+    return x, bias, grad
 
 
 def _where(d: int | None) -> str:
@@ -119,16 +228,37 @@ def bias_act(x: Any, bias: Any, activation: str = "relu") -> Any:
     Args:
         x: array of shape (..., C), float16, bfloat16, float32 or float64; NumPy, CuPy or torch
             (CPU or CUDA). Non-contiguous inputs are copied to a contiguous buffer first.
-        bias: array of shape (C,), same type, dtype and device as x.
+        bias: array of shape (C,), same type, dtype and device as x (no dtype promotion). A scalar
+            broadcasts over C, as in NumPy's ``x + bias``: a Python float/int takes x's dtype
+            (NumPy's weak scalars), a NumPy scalar keeps its dtype (so must be x's).
         activation: "relu", "gelu" (exact, erf), "gelu_tanh" (tanh approximation) or "silu".
+
+    Array-likes (lists, tuples, anything ``numpy.asarray`` takes) are converted as
+    ``numpy.asarray`` converts them (a list of Python floats is float64), into the library and
+    device of the other argument when that is a CuPy/torch array; two array-likes give a NumPy
+    result. ``bias_act(x32, [0.1, 0.2])`` therefore raises (a float64 bias for a float32 x).
 
     Returns:
         y, contiguous, same shape, dtype and array type as x. CUDA inputs run one fused kernel
         (maths in float32 for the 16-bit types); NumPy and torch-CPU inputs run the reference.
         torch tensors are differentiable (x and bias) and work under torch.compile and CUDA graphs.
+        NaN and infinite inputs follow IEEE arithmetic (the CPU reference emits no NumPy warnings).
+
+    Raises:
+        TypeError (wrong type or dtype) and ValueError (wrong shape, device or activation); each
+        message names ``cukit.bias_act`` and the argument.
 
     See also: ``torch.nn.functional.gelu(x + bias)``, ``torch.nn.functional.silu``, ``numpy.maximum``.
     """
+    try:
+        return _bias_act_arrays(x, bias, activation)
+    except NotAnArrayError:
+        x, bias, _ = as_operands("cukit.bias_act", x, bias)
+    return _bias_act_arrays(x, bias, activation)
+
+
+def _bias_act_arrays(x: Any, bias: Any, activation: str) -> Any:
+    """bias_act for arrays (NotAnArrayError for anything else, before any work)."""
     kind, act, _ = validate(x, bias, activation)
     if kind == "numpy":
         return reference_numpy(x, bias, activation)
@@ -142,13 +272,27 @@ def bias_act_backward(grad: Any, x: Any, bias: Any, activation: str = "relu") ->
     last dimension``.
 
     For NumPy and CuPy users (torch users get this through autograd). grad has x's shape, dtype
-    and type. dbias accumulates in float32 (float64 for float64) with a fixed summation order, so
-    it is bitwise reproducible on a given GPU.
+    and type; x and bias as for ``bias_act`` (array-likes and scalar biases included). dbias
+    accumulates in float32 (float64 for float64) with a fixed summation order, so it is bitwise
+    reproducible on a given GPU.
+
+    Raises:
+        TypeError and ValueError naming ``cukit.bias_act_backward`` and the argument (grad's dtype
+        mismatch names both dtypes).
 
     See also: ``torch.autograd.grad``.
     """
-    kind, act, _ = validate(x, bias, activation)
-    _check_grad("bias_act_backward", grad, x, kind)
+    try:
+        return _backward_arrays(grad, x, bias, activation)
+    except NotAnArrayError:
+        x, bias, grad = as_operands("cukit.bias_act_backward", x, bias, grad)
+    return _backward_arrays(grad, x, bias, activation)
+
+
+def _backward_arrays(grad: Any, x: Any, bias: Any, activation: str) -> tuple[Any, Any]:
+    """bias_act_backward for arrays (NotAnArrayError for anything else, before any work)."""
+    kind, act, _ = validate(x, bias, activation, "cukit.bias_act_backward")
+    _check_grad("cukit.bias_act_backward", grad, x, kind)
     if kind == "numpy":
         return reference_backward_numpy(grad, x, bias, activation)
     if device_of(x) is None:  # torch CPU (autograd-aware use goes through cukit.torch)
@@ -203,7 +347,10 @@ def _key(tag: str, act: int, *arrays: Any) -> tuple:
         return (tag, act, *((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15) for t in arrays))
     for t in arrays:
         if type(t) is np.ndarray:
-            raise TypeError("bias_act: the GPU path needs CuPy arrays or torch CUDA tensors; got a NumPy array")
+            raise TypeError(
+                "cukit.ops.bias_act: the GPU path (forward_gpu, backward_gpu) needs CuPy arrays or torch CUDA "
+                "tensors; got a numpy.ndarray"
+            )
     return (tag, act, *((t.shape, t.strides, t.dtype, t.device.id, t.data.ptr & 15) for t in arrays))
 
 
@@ -244,7 +391,7 @@ def _forward_first(x: Any, bias: Any, act: int, key: tuple) -> Any:
     kind, _, dt = validate(x, bias, _ACT_NAMES[act])
     device = device_of(x)
     if device is None:
-        raise ValueError("bias_act: forward_gpu needs CUDA arrays")
+        raise ValueError("cukit.ops.bias_act.forward_gpu: x and bias must be CUDA arrays; got arrays on the CPU")
     cacheable = _is_contiguous(x, kind) and _is_contiguous(bias, kind)
     x = _contiguous(x, kind)
     bias = _contiguous(bias, kind)
@@ -311,11 +458,13 @@ def backward_gpu(grad: Any, x: Any, bias: Any, act: int) -> tuple[Any, Any]:
 
 
 def _backward_first(grad: Any, x: Any, bias: Any, act: int, key: tuple) -> tuple[Any, Any]:
-    kind, _, dt = validate(x, bias, _ACT_NAMES[act])
-    _check_grad("bias_act_backward", grad, x, kind)
+    kind, _, dt = validate(x, bias, _ACT_NAMES[act], "cukit.bias_act_backward")
+    _check_grad("cukit.bias_act_backward", grad, x, kind)
     device = device_of(x)
     if device is None:
-        raise ValueError("bias_act: backward_gpu needs CUDA arrays")
+        raise ValueError(
+            "cukit.ops.bias_act.backward_gpu: grad, x and bias must be CUDA arrays; got arrays on the CPU"
+        )
     cacheable = all(_is_contiguous(t, kind) for t in (grad, x, bias))
     grad = _contiguous(grad, kind)
     x = _contiguous(x, kind)
@@ -376,65 +525,82 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _np_erf(z: np.ndarray) -> np.ndarray:
+def _np_erfc(z: np.ndarray) -> np.ndarray:
     try:
-        from scipy.special import erf
+        from scipy.special import erfc
     except ImportError:  # exact, but a Python call per element
-        return np.frompyfunc(math.erf, 1, 1)(z).astype(np.float64)
-    return erf(z)
+        return np.frompyfunc(math.erfc, 1, 1)(z).astype(np.float64)
+    return erfc(z)
+
+
+# The forms below are the kernels' exact ones (raw_kernels/include/cukit/activations.cuh): the
+# normal CDF as erfc(-z / sqrt2) / 2, (1 + tanh u) / 2 as sigmoid(2u), and 1 - sigmoid(v) as
+# sigmoid(-v), none of which cancels in either tail as 1 + erf, 1 + tanh and 1 - s do.
+
+
+# The references follow IEEE arithmetic on NaN/inf inputs as the kernels do (inf * 0 is NaN, exp
+# overflows to inf, a float16 cast of a large value is inf): those are results, not accidents, so
+# reference_numpy and reference_backward_numpy silence NumPy's RuntimeWarnings about them (the
+# helpers below run only inside those two).
+_IEEE = {"over": "ignore", "invalid": "ignore"}
 
 
 def _np_act(z: np.ndarray, activation: str) -> np.ndarray:
     if activation == "relu":
         return np.maximum(z, 0.0)
     if activation == "gelu":
-        return 0.5 * z * (1.0 + _np_erf(z * _INV_SQRT2))
+        return 0.5 * z * _np_erfc(-z * _INV_SQRT2)
     if activation == "gelu_tanh":
-        return 0.5 * z * (1.0 + np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3)))
-    with np.errstate(over="ignore"):
-        return z / (1.0 + np.exp(-z))
+        return z / (1.0 + np.exp(-2.0 * _SQRT_2_OVER_PI * (z + 0.044715 * z**3)))
+    return z / (1.0 + np.exp(-z))
 
 
 def _np_act_grad(z: np.ndarray, activation: str) -> np.ndarray:
     if activation == "relu":
         return (z > 0).astype(np.float64)
     if activation == "gelu":
-        return 0.5 * (1.0 + _np_erf(z * _INV_SQRT2)) + z * _INV_SQRT_2PI * np.exp(-0.5 * z * z)
+        return 0.5 * _np_erfc(-z * _INV_SQRT2) + z * _INV_SQRT_2PI * np.exp(-0.5 * z * z)
     if activation == "gelu_tanh":
-        t = np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
-    with np.errstate(over="ignore"):
-        s = 1.0 / (1.0 + np.exp(-z))
-    return s * (1.0 + z * (1.0 - s))
+        v = 2.0 * _SQRT_2_OVER_PI * (z + 0.044715 * z**3)
+        s, q = 1.0 / (1.0 + np.exp(-v)), 1.0 / (1.0 + np.exp(v))  # sigmoid(v), 1 - sigmoid(v)
+        return s + 2.0 * z * s * q * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+    s, q = 1.0 / (1.0 + np.exp(-z)), 1.0 / (1.0 + np.exp(z))
+    return s * (1.0 + z * q)
 
 
 def reference_numpy(x: np.ndarray, bias: np.ndarray, activation: str) -> np.ndarray:
-    """NumPy bias_act, computed in float64 and rounded once to x's dtype."""
+    """NumPy bias_act, ``act(x + bias)`` computed in float64 and rounded once to x's dtype."""
     activation_id(activation)
-    z = np.asarray(x, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
-    return np.ascontiguousarray(_np_act(z, activation).astype(x.dtype))
+    with np.errstate(**_IEEE):
+        z = np.asarray(x, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
+        return np.ascontiguousarray(_np_act(z, activation).astype(x.dtype))
 
 
 def reference_backward_numpy(
     grad: np.ndarray, x: np.ndarray, bias: np.ndarray, activation: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """NumPy bias_act backward in float64: (dx, dbias) in x's dtype."""
-    z = np.asarray(x, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
-    g = np.asarray(grad, dtype=np.float64) * _np_act_grad(z, activation)
-    dbias = g.reshape(-1, x.shape[-1]).sum(axis=0) if g.size else np.zeros(x.shape[-1])
-    return np.ascontiguousarray(g.astype(x.dtype)), dbias.astype(bias.dtype)
+    with np.errstate(**_IEEE):
+        z = np.asarray(x, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
+        g = np.asarray(grad, dtype=np.float64) * _np_act_grad(z, activation)
+        dbias = g.reshape(-1, x.shape[-1]).sum(axis=0) if g.size else np.zeros(x.shape[-1])
+        return np.ascontiguousarray(g.astype(x.dtype)), dbias.astype(bias.dtype)
 
 
 def _torch_act(z: Any, activation: str) -> Any:
+    """act(z) by torch's own fused CPU/CUDA ops (one pass each: the torch-CPU fallback's speed).
+    Their textbook forms lose relative accuracy far in the left tail, where act(z) itself is
+    below float32's absolute tolerance; the derivatives, summed into dbias, use the exact forms."""
     import torch
+    import torch.nn.functional as F
 
     if activation == "relu":
         return torch.clamp_min(z, 0)
     if activation == "gelu":
-        return 0.5 * z * (1 + torch.erf(z * _INV_SQRT2))
+        return F.gelu(z)
     if activation == "gelu_tanh":
-        return 0.5 * z * (1 + torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
-    return z * torch.sigmoid(z)
+        return F.gelu(z, approximate="tanh")
+    return F.silu(z)
 
 
 def _torch_act_grad(z: Any, activation: str) -> Any:
@@ -443,12 +609,14 @@ def _torch_act_grad(z: Any, activation: str) -> Any:
     if activation == "relu":
         return (z > 0).to(z.dtype)
     if activation == "gelu":
-        return 0.5 * (1 + torch.erf(z * _INV_SQRT2)) + z * _INV_SQRT_2PI * torch.exp(-0.5 * z * z)
+        return 0.5 * torch.erfc(z * -_INV_SQRT2) + z * _INV_SQRT_2PI * torch.exp(-0.5 * z * z)
     if activation == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
+        z2 = z * z
+        v = (2.0 * _SQRT_2_OVER_PI) * z * (1 + 0.044715 * z2)
+        du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z2)
+        s = torch.sigmoid(v)
+        return s + 2.0 * z * s * torch.sigmoid(-v) * du
+    return torch.sigmoid(z) * (1 + z * torch.sigmoid(-z))
 
 
 def _acc_dtype(t: Any) -> Any:

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import importlib
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
@@ -39,9 +40,25 @@ from typing import Any
 import numpy as np
 
 from cukit._runtime import PlanCache
-from cukit.interop import DTYPES, DType, array_kind, current_stream, device_of, element_strides
+from cukit.interop import (
+    DTYPES,
+    DType,
+    NotAnArrayError,
+    array_class,
+    array_kind,
+    as_array,
+    as_arrays,
+    current_stream,
+    device_of,
+    dtype_name,
+    element_strides,
+    is_array,
+    not_an_array_error,
+    type_name,
+)
 from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
-from cukit.ops.bias_act import ACTIVATIONS, activation_id
+from cukit.ops.bias_act import ACTIVATIONS, activation_id, as_bias
+from cukit.ops.bias_act import _torch_act as _bias_act_torch_act
 from cukit.ops.bias_act import reference_numpy as _bias_act_numpy
 from cukit.ops.bias_act import reference_torch as _bias_act_torch
 
@@ -84,9 +101,9 @@ _SIGNATURE = "(n?,k),(k,m?)->(n?,m?)"  # numpy.matmul's gufunc signature, quoted
 _PRECISION = "ieee"
 
 
-def _check_precision(precision: str) -> str:
+def _check_precision(precision: str, fn: str = "cukit.matmul") -> str:
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
+        raise ValueError(f"{fn}: precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
     return precision
 
 
@@ -102,7 +119,7 @@ def set_matmul_precision(precision: str) -> None:
     See also: ``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``.
     """
     global _PRECISION
-    _PRECISION = _check_precision(precision)
+    _PRECISION = _check_precision(precision, "cukit.set_matmul_precision")
 
 
 def get_matmul_precision() -> str:
@@ -111,8 +128,8 @@ def get_matmul_precision() -> str:
     return _PRECISION
 
 
-def _resolve_precision(precision: str | None) -> str:
-    return _PRECISION if precision is None else _check_precision(precision)
+def _resolve_precision(precision: str | None, fn: str = "cukit.matmul") -> str:
+    return _PRECISION if precision is None else _check_precision(precision, fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,24 +142,34 @@ def _fmt(shape: Sequence[Any]) -> str:
 
 
 def matmul_shape(
-    sa: Sequence[int], sb: Sequence[int]
+    sa: Sequence[int], sb: Sequence[int], *, fn: str = "cukit.matmul", names: tuple[str, str] = ("a", "b")
 ) -> tuple[tuple[int, ...], int, int, int, tuple[int, ...]]:
     """``(batch, M, K, N, out_shape)`` of ``a @ b`` for operand shapes sa and sb, by numpy.matmul's
     rules: 1-D operands are promoted ((K,) -> (1, K) for a, (K,) -> (K, 1) for b) and the added axis
-    is removed from out_shape; batch dimensions broadcast. Raises ValueError worded like NumPy's."""
+    is removed from out_shape; batch dimensions broadcast. Raises ValueError naming fn and the
+    operands (``names``), ending with NumPy's own message for the same shapes."""
     sa, sb = tuple(sa), tuple(sb)
-    for i, s in enumerate((sa, sb)):
+    na, nb = names
+    for i, (name, s) in enumerate(((na, sa), (nb, sb))):
         if len(s) == 0:
-            raise ValueError(
+            numpy_msg = (
                 f"matmul: Input operand {i} does not have enough dimensions (has 0, gufunc core with "
                 f"signature {_SIGNATURE} requires 1)"
+            )
+            raise ValueError(
+                f"{fn}: {name} must have at least 1 dimension (a scalar has none); got shape (){_numpy_says(numpy_msg)}"
             )
     ka = sa[-1]
     kb = sb[0] if len(sb) == 1 else sb[-2]
     if ka != kb:
-        raise ValueError(
+        numpy_msg = (
             f"matmul: Input operand 1 has a mismatch in its core dimension 0, with gufunc signature "
             f"{_SIGNATURE} (size {kb} is different from {ka})"
+        )
+        where = "only" if len(sb) == 1 else "second-to-last"
+        raise ValueError(
+            f"{fn}: the {where} dimension of {nb} must equal the last dimension of {na} ({ka}); got {kb} "
+            f"({na}.shape={sa}, {nb}.shape={sb}){_numpy_says(numpy_msg)}"
         )
     M = sa[-2] if len(sa) >= 2 else 1
     N = sb[-1] if len(sb) >= 2 else 1
@@ -156,26 +183,31 @@ def matmul_shape(
         elif x == 1:
             batch.append(y)
         else:
-            na = ",".join(["newaxis"] * 2)
-            raise ValueError(
+            nx = ",".join(["newaxis"] * 2)
+            numpy_msg = (
                 "operands could not be broadcast together with remapped shapes [original->remapped]: "
-                f"{_fmt(sa)}->{_fmt([*ba, na])} {_fmt(sb)}->{_fmt([*bb, na])}  and requested shape "
-                f"({M},{N})"
+                f"{_fmt(sa)}->{_fmt([*ba, nx])} {_fmt(sb)}->{_fmt([*bb, nx])}  and requested shape ({M},{N})"
+            )
+            raise ValueError(
+                f"{fn}: the batch dimensions of {na} {ba} and {nb} {bb} must broadcast together; got "
+                f"{na}.shape={sa}, {nb}.shape={sb}{_numpy_says(numpy_msg)}"
             )
     out_shape = (*batch, *((M,) if len(sa) >= 2 else ()), *((N,) if len(sb) >= 2 else ()))
     return tuple(batch), M, ka, N, out_shape
 
 
+def _numpy_says(msg: str) -> str:
+    """The suffix quoting NumPy's error for the same operands (searchable, and tests compare it)."""
+    return f" (numpy.matmul raises: {msg})"
+
+
 _FLOAT_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
 
 
-def _dtype_name(x: Any, kind: str | None = None) -> str:
-    if (kind or array_kind(x)) == "torch":
-        return str(x.dtype).removeprefix("torch.")
-    return np.dtype(x.dtype).name
+_dtype_name = dtype_name  # the name cukit.torch.matmul reads
 
 
-def result_dtype(da: str, db: str) -> str:
+def result_dtype(da: str, db: str, fn: str = "cukit.matmul") -> str:
     """The dtype of ``a @ b`` for operand dtypes named da and db: NumPy's ``result_type``
     (float16 @ float32 -> float32, int64 @ float32 -> float64, ...), extended to bfloat16 like
     torch: bfloat16 @ float16 -> float32, bfloat16 @ wider float -> the wider, bfloat16 @ an
@@ -190,7 +222,7 @@ def result_dtype(da: str, db: str) -> str:
     try:
         r = np.result_type(np.dtype(na), np.dtype(nb)).name
     except TypeError:
-        raise TypeError(f"matmul: unsupported dtype combination {da} and {db}") from None
+        raise TypeError(f"{fn}: a and b must have dtypes with a common type; got {da} and {db}") from None
     return "bfloat16" if r == "float16" and "float16" not in (da, db) else r
 
 
@@ -198,25 +230,35 @@ def _where(d: int | None) -> str:
     return "the CPU" if d is None else f"cuda:{d}"
 
 
-def _validate_pair(a: Any, b: Any, what: str = "b") -> tuple[str, int | None]:
-    kind = array_kind(a)
-    if array_kind(b) != kind:
-        raise TypeError(f"{what} must be the same array type as a ({kind}); got {type(b).__qualname__}")
+def _validate_pair(
+    a: Any, b: Any, what: str = "b", *, fn: str = "cukit.matmul", first: str = "a"
+) -> tuple[str, int | None]:
+    """(array kind, device) of two arrays that must share both; ``first``/``what`` name them in the
+    errors. NotAnArrayError when either is no array (the public ops then convert array-likes)."""
+    try:
+        kind = array_kind(a)
+        kind_b = array_kind(b)
+    except NotAnArrayError:
+        raise not_an_array_error(fn, ((first, a), (what, b))) from None
+    if kind_b != kind:
+        raise TypeError(f"{fn}: {what} must be the same array type as {first} ({array_class(kind)}); got {type_name(b)}")
     da, db = device_of(a), device_of(b)
     if da != db:
-        raise ValueError(f"a and {what} must be on the same device; got {_where(da)} and {_where(db)}")
+        raise ValueError(f"{fn}: {first} and {what} must be on the same device; got {_where(da)} and {_where(db)}")
     return kind, da
 
 
-def _check_out(out: Any, kind: str, device: int | None, shape: tuple[int, ...], dtype: str) -> None:
-    if array_kind(out) != kind:
-        raise TypeError(f"out must be the same array type as the inputs ({kind}); got {type(out).__qualname__}")
+def _check_out(
+    out: Any, kind: str, device: int | None, shape: tuple[int, ...], dtype: str, fn: str = "cukit.matmul"
+) -> None:
+    if not is_array(out) or array_kind(out) != kind:
+        raise TypeError(f"{fn}: out must be the same array type as the inputs ({array_class(kind)}); got {type_name(out)}")
     if device_of(out) != device:
-        raise ValueError(f"out must be on the inputs' device ({_where(device)}); got {_where(device_of(out))}")
+        raise ValueError(f"{fn}: out must be on the inputs' device ({_where(device)}); got {_where(device_of(out))}")
     if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"matmul: out has shape {tuple(out.shape)}; the result has shape {tuple(shape)}")
+        raise ValueError(f"{fn}: out must have the result's shape {tuple(shape)}; got {tuple(out.shape)}")
     if _dtype_name(out) != dtype:
-        raise TypeError(f"matmul: out has dtype {_dtype_name(out)}; the result has dtype {dtype}")
+        raise TypeError(f"{fn}: out must have the result's dtype {dtype}; got {_dtype_name(out)}")
 
 
 def _astype(x: Any, dtype: str, kind: str) -> Any:
@@ -248,6 +290,11 @@ def matmul(a: Any, b: Any, *, out: Any = None, precision: str | None = None) -> 
             negative CuPy strides) are copied; batch dimensions are merged where their strides
             allow, and when more than three remain the operands are made contiguous (and, if still
             needed, the broadcast is materialised) so that one batch dimension is left.
+            Array-likes (lists, tuples, anything ``numpy.asarray`` takes) are converted as
+            ``numpy.asarray`` converts them (Python floats float64, ints int64), into the library
+            and device of the other operand when that is a CuPy array or torch tensor; then NumPy's
+            promotion applies (``matmul(float32_array, [[1.0]])`` is float64, as in NumPy). Two
+            array-likes give a NumPy result. Scalars are 0-d: rejected, as numpy.matmul does.
         out: optional array of the result's exact shape, dtype, type and device, written in place
             and returned (stricter than NumPy, which also broadcasts and casts into out).
         precision: None (the global setting, ``get_matmul_precision()``), "ieee" or "tf32"; tf32
@@ -266,45 +313,65 @@ def matmul(a: Any, b: Any, *, out: Any = None, precision: str | None = None) -> 
 
     Raises:
         ValueError for 0-d operands, mismatched core dimensions or non-broadcastable batch
-        dimensions, with NumPy's messages; TypeError for mixed array types.
+        dimensions (naming the operands, then quoting NumPy's message); TypeError for mixed array
+        types or an argument that converts to no numeric array. Messages start ``cukit.matmul:``.
 
     See also: ``numpy.matmul``, ``torch.matmul``, ``cukit.linear``, ``cukit.chunked_matmul``.
     """
+    try:
+        return _matmul_arrays(a, b, out, precision)
+    except NotAnArrayError:
+        a, b = as_arrays("cukit.matmul", (("a", a), ("b", b)))
+    return _matmul_arrays(a, b, out, precision)
+
+
+def _matmul_arrays(a: Any, b: Any, out: Any, precision: str | None) -> Any:
+    """matmul for arrays (NotAnArrayError for anything else, before any work)."""
     kind, device = _validate_pair(a, b)
     prec = _resolve_precision(precision)
     _, _, _, _, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
-    rdt = result_dtype(_dtype_name(a, kind), _dtype_name(b, kind))
+    da, db = _dtype_name(a, kind), _dtype_name(b, kind)
+    rdt = result_dtype(da, db)
     if out is not None:
         _check_out(out, kind, device, out_shape, rdt)
     if kind == "numpy":
         return reference_numpy(a, b, out=out)
     if device is None:  # torch CPU (autograd-aware use goes through cukit.torch)
         if a.is_complex() or b.is_complex():
-            raise TypeError(f"cukit.matmul supports real dtypes for torch tensors; got {rdt}")
+            raise TypeError(f"cukit.matmul: a and b must have real dtypes for torch tensors; got {da} and {db}")
         r = reference_torch(_astype(a, rdt, kind), _astype(b, rdt, kind))
         if out is None:
             return r
         out.copy_(r)
         return out
     if rdt not in FLOAT_DTYPES:
-        raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {rdt}")
+        raise TypeError(
+            f"cukit.matmul: a and b on the GPU must have dtypes whose promotion is one of {', '.join(FLOAT_DTYPES)}; "
+            f"got {da} and {db} (promoting to {rdt})"
+        )
     return _matmul_gpu(_astype(a, rdt, kind), _astype(b, rdt, kind), precision=prec, out=out)
 
 
 def validate_batch(a: Any, b: Any) -> None:
-    """batch_matmul's stricter checks: both 3-D, equal batch sizes, matching K."""
-    _validate_pair(a, b)
+    """batch_matmul's stricter checks: both 3-D, equal batch sizes, matching K. NotAnArrayError
+    when a or b is no array."""
+    fn = "cukit.batch_matmul"
+    _validate_pair(a, b, fn=fn)
     if a.ndim != 3 or b.ndim != 3:
+        bad = "a" if a.ndim != 3 else "b"
         raise ValueError(
-            f"batch_matmul: both operands must be 3-D, (B, M, K) and (B, K, N); got shapes "
-            f"{tuple(a.shape)} and {tuple(b.shape)} (cukit.matmul broadcasts)"
+            f"{fn}: a and b must both be 3-D, (B, M, K) and (B, K, N); got {bad} with shape "
+            f"{tuple((a if bad == 'a' else b).shape)} (a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}; "
+            "cukit.matmul broadcasts)"
         )
     if a.shape[0] != b.shape[0]:
-        raise ValueError(f"batch_matmul: batch sizes differ: {a.shape[0]} and {b.shape[0]} (no broadcasting)")
+        raise ValueError(
+            f"{fn}: b must have a's batch size {a.shape[0]} (no broadcasting); got {b.shape[0]}: batch sizes differ"
+        )
     if a.shape[2] != b.shape[1]:
         raise ValueError(
-            f"batch_matmul: a is (B, M, K) = {tuple(a.shape)} and b (B, K, N) = {tuple(b.shape)}; "
-            f"K differs ({a.shape[2]} vs {b.shape[1]})"
+            f"{fn}: b's K (b is (B, K, N) = {tuple(b.shape)}) must equal a's (a is (B, M, K) = "
+            f"{tuple(a.shape)}): K differs ({a.shape[2]} vs {b.shape[1]})"
         )
 
 
@@ -312,38 +379,64 @@ def batch_matmul(a: Any, b: Any, *, precision: str | None = None) -> Any:
     """Strict batched product: ``C[z] = A[z] @ B[z]`` for a (B, M, K) and b (B, K, N) -> (B, M, N).
 
     No broadcasting and no 1-D promotion: both operands must be 3-D with equal batch sizes and
-    matching K (ValueError otherwise). Otherwise as ``cukit.matmul`` (array types, dtypes,
-    precision, autograd).
+    matching K (ValueError otherwise). Otherwise as ``cukit.matmul`` (array types, array-likes,
+    dtypes, precision, autograd).
 
     See also: ``torch.bmm``, ``cukit.matmul``.
     """
-    validate_batch(a, b)
+    try:
+        validate_batch(a, b)
+    except NotAnArrayError:
+        a, b = as_arrays("cukit.batch_matmul", (("a", a), ("b", b)))
+        validate_batch(a, b)
     return matmul(a, b, precision=precision)
 
 
-def _validate_linear(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[str, int]:
-    kind, _ = _validate_pair(x, weight, "weight")
+def _validate_linear(
+    x: Any, weight: Any, bias: Any, activation: str | None, fn: str = "cukit.linear"
+) -> tuple[str, int]:
+    """(array kind, activation id) of linear's arguments; NotAnArrayError when x, weight or bias
+    (if not None) is no array, TypeError/ValueError naming fn and the argument otherwise."""
+    kind, _ = _validate_pair(x, weight, "weight", fn=fn, first="x")
     if bias is not None:
-        _validate_pair(x, bias, "bias")
-    act = -1 if activation is None else activation_id(activation)
+        _validate_pair(x, bias, "bias", fn=fn, first="x")
+    act = -1 if activation is None else activation_id(activation, fn, allow_none=True)
     dt = _dtype_name(x, kind)
     if dt not in FLOAT_DTYPES:
-        raise TypeError(f"linear: x must have a floating dtype ({', '.join(FLOAT_DTYPES)}); got {dt}")
+        raise TypeError(f"{fn}: x must have dtype {', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}; got {dt}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and _dtype_name(t, kind) != dt:
-            raise TypeError(f"linear: {name} must have x's dtype {dt}; got {_dtype_name(t, kind)}")
+            raise TypeError(
+                f"{fn}: {name} must have x's dtype {dt}; got {_dtype_name(t, kind)} (no dtype promotion here: "
+                "cast one of them)"
+            )
     if weight.ndim != 2:
-        raise ValueError(f"linear: weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
+        raise ValueError(f"{fn}: weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
     if x.ndim < 1:
-        raise ValueError("linear: x must have at least one dimension (..., in_features)")
+        raise ValueError(f"{fn}: x must have at least one dimension (..., in_features); got shape ()")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"linear: x's last dimension ({x.shape[-1]}) must equal weight's in_features; weight has shape "
-            f"(out_features, in_features) = {tuple(weight.shape)}"
+            f"{fn}: x's last dimension must equal weight's in_features ({weight.shape[1]}; weight is "
+            f"(out_features, in_features) = {tuple(weight.shape)}); got {x.shape[-1]} (x.shape={tuple(x.shape)})"
         )
     if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"linear: bias must have shape ({weight.shape[0]},); got {tuple(bias.shape)}")
+        raise ValueError(
+            f"{fn}: bias must have shape ({weight.shape[0]},), (out_features,); got {tuple(bias.shape)}"
+        )
     return kind, act
+
+
+def linear_operands(fn: str, x: Any, weight: Any, bias: Any) -> tuple[Any, Any, Any]:
+    """(x, weight, bias) with array-likes converted like the first array among them (NumPy if none
+    is); a scalar bias broadcasts to (out_features,) (``cukit.ops.bias_act.as_bias``)."""
+    like = next((t for t in (x, weight, bias) if t is not None and is_array(t)), None)
+    if not is_array(x):
+        x = as_array(x, fn, "x", like)
+    if not is_array(weight):
+        weight = as_array(weight, fn, "weight", like)
+    if bias is not None and not is_array(bias):
+        bias = as_bias(bias, x, fn, weight.shape[0] if weight.ndim == 2 else None)
+    return x, weight, bias
 
 
 def linear(
@@ -354,8 +447,11 @@ def linear(
 
     Args:
         x: (..., in_features); weight: (out_features, in_features), read in place as the transposed
-            operand (no copy); bias: (out_features,) or None. Same array type, dtype and device;
-            float16, bfloat16, float32 or float64. NumPy, CuPy or torch (CPU or CUDA).
+            operand (no copy); bias: (out_features,) or None. Same array type, dtype and device
+            (no dtype promotion); float16, bfloat16, float32 or float64. NumPy, CuPy or torch (CPU
+            or CUDA). Array-likes convert as ``numpy.asarray`` converts them, into the library and
+            device of the first array argument (see ``cukit.matmul``); a scalar bias broadcasts to
+            (out_features,), a Python float taking x's dtype (as ``cukit.bias_act``'s bias).
         activation: None, "relu", "gelu" (erf), "gelu_tanh" or "silu".
         precision: as for ``cukit.matmul`` (tf32 affects float32 CUDA inputs only).
 
@@ -367,10 +463,22 @@ def linear(
         saving it (relu needs only the saved output), then ``dy' = dy * act'``, ``dx = dy' @ W``,
         ``dW = dy'^T @ x``, ``db = sum(dy')``.
 
+    Raises:
+        TypeError and ValueError naming ``cukit.linear`` and the argument.
+
     See also: ``torch.nn.functional.linear``, ``cukit.nn.Linear``, ``cukit.bias_act``.
     """
+    try:
+        return _linear_arrays(x, weight, bias, activation, precision)
+    except NotAnArrayError:
+        x, weight, bias = linear_operands("cukit.linear", x, weight, bias)
+    return _linear_arrays(x, weight, bias, activation, precision)
+
+
+def _linear_arrays(x: Any, weight: Any, bias: Any, activation: str | None, precision: str | None) -> Any:
+    """linear for arrays (NotAnArrayError for anything else, before any work)."""
     kind, act = _validate_linear(x, weight, bias, activation)
-    prec = _resolve_precision(precision)
+    prec = _resolve_precision(precision, "cukit.linear")
     if kind == "numpy":
         return linear_reference_numpy(x, weight, bias, activation)
     if device_of(x) is None:  # torch CPU (autograd-aware use goes through cukit.torch)
@@ -382,7 +490,7 @@ def chunked_matmul(
     a: Any,
     b: Any,
     *,
-    max_bytes: int,
+    max_bytes: float,
     precision: str | None = None,
     use_gpu: bool | None = None,
 ) -> Any:
@@ -399,35 +507,48 @@ def chunked_matmul(
       an A block with unusable strides) stay under ``max_bytes``.
 
     Batched operands (more than 2-D, broadcast like matmul) run the 2-D algorithm per batch index;
-    1-D operands are promoted like matmul. The result is not differentiable (torch).
+    1-D operands are promoted like matmul; array-likes are converted as by ``cukit.matmul``. The
+    result is not differentiable (torch).
+
+    max_bytes: the budget in bytes, any real number >= 1 (``1e6`` is fine; a fraction rounds down).
 
     Raises:
-        ValueError if even one row of A plus its output row and B exceed ``max_bytes``.
+        ValueError if even one row of A plus its output row and B exceed ``max_bytes``, or for a
+        max_bytes that is no real number >= 1 (0, negative, NaN, inf, a bool, a str: TypeError for
+        the non-numbers).
 
     See also: ``cukit.matmul``, ``numpy.matmul``.
     """
-    kind, device = _validate_pair(a, b)
-    prec = _resolve_precision(precision)
-    if not isinstance(max_bytes, (int, np.integer)) or isinstance(max_bytes, bool) or max_bytes <= 0:
-        raise ValueError(f"chunked_matmul: max_bytes must be a positive integer; got {max_bytes!r}")
-    batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
-    rdt = result_dtype(_dtype_name(a, kind), _dtype_name(b, kind))
+    fn = "cukit.chunked_matmul"
+    try:
+        kind, device = _validate_pair(a, b, fn=fn)
+    except NotAnArrayError:
+        a, b = as_arrays(fn, (("a", a), ("b", b)))
+        kind, device = _validate_pair(a, b, fn=fn)
+    prec = _resolve_precision(precision, fn)
+    budget = _byte_budget(max_bytes, fn)
+    batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape), fn=fn)
+    rdt = result_dtype(_dtype_name(a, kind), _dtype_name(b, kind), fn)
     isz = _itemsize(rdt)
     b_bytes, row_bytes = K * N * isz, (K + N) * isz
-    if M > 0 and math.prod(batch) > 0 and b_bytes + row_bytes > max_bytes:
+    if M > 0 and math.prod(batch) > 0 and b_bytes + row_bytes > budget:
         raise ValueError(
-            f"chunked_matmul: max_bytes={max_bytes} is too small: B takes {b_bytes} bytes and one row of A "
-            f"plus its output row {row_bytes}; need at least {b_bytes + row_bytes}"
+            f"{fn}: max_bytes={max_bytes!r} is too small: it must cover B ({b_bytes} bytes) plus one row of A "
+            f"and its output row ({row_bytes}); need at least {b_bytes + row_bytes}"
         )
+    max_bytes = budget
     rows = M if row_bytes == 0 else max(1, (max_bytes - b_bytes) // row_bytes)
     host = device is None
     if use_gpu is None:
         use_gpu = host and rdt in FLOAT_DTYPES and _gpu_available(kind)
     elif use_gpu and host:
         if rdt not in FLOAT_DTYPES:
-            raise TypeError(f"chunked_matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {rdt}")
+            raise TypeError(
+                f"{fn}: with use_gpu=True, a and b must have dtypes whose promotion is one of "
+                f"{', '.join(FLOAT_DTYPES)}; got {rdt}"
+            )
         if not _gpu_available(kind):
-            raise RuntimeError("chunked_matmul(use_gpu=True): no CUDA GPU is available (cukit.is_available())")
+            raise RuntimeError(f"{fn}: use_gpu=True needs a CUDA GPU; none is available (cukit.is_available())")
     a2 = a if a.ndim >= 2 else a[None, :]
     b2 = b if b.ndim >= 2 else b[:, None]
     if kind == "torch":
@@ -451,6 +572,15 @@ def chunked_matmul(
                     stage.block(ai[r0 : r0 + rows], oi[r0 : r0 + rows])
         result = full.reshape(out_shape)
         return result[()] if kind == "numpy" else result
+
+
+def _byte_budget(max_bytes: Any, fn: str) -> int:
+    """max_bytes as a whole number of bytes: a real number >= 1, rounded down."""
+    if isinstance(max_bytes, (bool, np.bool_)) or not isinstance(max_bytes, numbers.Real):
+        raise TypeError(f"{fn}: max_bytes must be a real number >= 1 (bytes); got {max_bytes!r} ({type_name(max_bytes)})")
+    if not (math.isfinite(max_bytes) and max_bytes >= 1):
+        raise ValueError(f"{fn}: max_bytes must be a real number >= 1 (bytes); got {max_bytes!r}")
+    return math.floor(max_bytes)
 
 
 def _itemsize(dtype: str) -> int:
@@ -574,8 +704,8 @@ def _parse_kernel(kernel: str) -> tuple[str, str | None]:
     family, _, variant = kernel.partition("_")
     if family not in KERNEL_FAMILIES:
         raise ValueError(
-            f"unknown matmul kernel {kernel!r}: a family ({', '.join(KERNEL_FAMILIES)}), optionally with "
-            "a variant (e.g. 'simt_v1')"
+            f"cukit.ops.matmul.force_kernel: kernel must be a family ({', '.join(KERNEL_FAMILIES)}), optionally "
+            f"with a variant (e.g. 'simt_v1'); got unknown matmul kernel {kernel!r}"
         )
     return family, variant or None
 
@@ -914,7 +1044,7 @@ def _plan_key(tag: str, a: Any, b: Any, bias: Any, act: int, precision: str, ker
     """A call's signature: everything a plan is derived from (kinds, shapes, strides, dtypes,
     devices, 16-byte alignment of every pointer, options), never the pointers themselves."""
     if type(a) is np.ndarray or type(b) is np.ndarray:
-        raise TypeError("_matmul_gpu needs CUDA arrays; got a NumPy array")
+        raise TypeError("cukit.ops.matmul._matmul_gpu: a and b must be CUDA arrays; got a numpy.ndarray")
     if hasattr(a, "data_ptr"):  # torch (tensor subclasses included: only their pointers are read)
         bk = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() & 15)
         return (
@@ -1001,20 +1131,24 @@ def _matmul_gpu_slow(
     """The first call of a signature (validate, build the Gemm, pick and prepare the kernel, cache
     the plan when it launches on the caller's arrays as they are), and every call with ``out=``,
     operand copies or padding."""
-    kind, device = _validate_pair(a, b)
+    fn = "cukit.linear" if key is not None and key[0] == "linear" else "cukit.matmul"
+    kind, device = _validate_pair(a, b, fn=fn)
     if bias is not None:
-        _validate_pair(a, bias, "bias")
+        _validate_pair(a, bias, "bias", fn=fn)
     name = _dtype_name(a, kind)
     if name not in FLOAT_DTYPES:
-        raise TypeError(f"matmul on the GPU supports {', '.join(FLOAT_DTYPES)}; got {name}")
+        raise TypeError(f"{fn}: a on the GPU must have dtype {', '.join(FLOAT_DTYPES)}; got {name}")
     if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
-        raise TypeError(f"_matmul_gpu: operands must share the dtype {name}")
+        raise TypeError(
+            f"cukit.ops.matmul._matmul_gpu: b and bias must have a's dtype {name} (no promotion here); got "
+            f"{_dtype_name(b, kind)}{'' if bias is None else ' and ' + _dtype_name(bias, kind)}"
+        )
     dt = DTYPES[name]
     if kind == "numpy" or device is None:
-        raise ValueError("_matmul_gpu needs CUDA arrays")
-    batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape))
+        raise ValueError("cukit.ops.matmul._matmul_gpu: a and b must be CUDA arrays; got arrays on the CPU")
+    batch, M, K, N, out_shape = matmul_shape(tuple(a.shape), tuple(b.shape), fn=fn)
     if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"_matmul_gpu: bias must have shape ({N},); got {tuple(bias.shape)}")
+        raise ValueError(f"cukit.ops.matmul._matmul_gpu: bias must have shape ({N},); got {tuple(bias.shape)}")
     direct = (
         out is not None
         and tuple(out.shape) == out_shape
@@ -1088,7 +1222,9 @@ def linear_gpu(
     validated on a signature's first call. weight (out, in), row-major, is read as B with
     sb_k = 1, sb_n = in: no copy."""
     if weight.ndim != 2:
-        raise ValueError(f"linear: weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"cukit.linear: weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}"
+        )
     w_t = weight.t() if hasattr(weight, "data_ptr") else weight.T
     return _matmul_gpu(x, w_t, precision=precision, kernel=kernel, bias=bias, act=act, tag="linear", check=check)
 
@@ -1130,13 +1266,15 @@ def linear_reference_numpy(x: np.ndarray, weight: np.ndarray, bias: np.ndarray |
     """NumPy ``act(x @ weight.T + bias)`` with the kernel's maths: fp32 (float64 for float64)
     product and epilogue, one rounding to x's dtype."""
     acc = np.dtype(_acc_name(x.dtype.name))
-    z = np.matmul(x.astype(acc), weight.astype(acc).T)
-    if activation is None:
-        y = z if bias is None else z + bias.astype(acc)
-    else:
-        bb = np.zeros(weight.shape[0], acc) if bias is None else bias.astype(acc)
-        y = _bias_act_numpy(z, bb, activation)
-    return np.ascontiguousarray(np.asarray(y).astype(x.dtype))
+    # IEEE results on NaN/inf and overflow (as the kernel gives them) are results: no NumPy warnings
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = np.matmul(x.astype(acc), weight.astype(acc).T)
+        if activation is None:
+            y = z if bias is None else z + bias.astype(acc)
+        else:
+            bb = np.zeros(weight.shape[0], acc) if bias is None else bias.astype(acc)
+            y = _bias_act_numpy(z, bb, activation)
+        return np.ascontiguousarray(np.asarray(y).astype(x.dtype))
 
 
 def linear_reference_torch(x: Any, weight: Any, bias: Any, activation: str | None) -> Any:
@@ -1145,6 +1283,9 @@ def linear_reference_torch(x: Any, weight: Any, bias: Any, activation: str | Non
     import torch
 
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if x.dtype is acc and weight.dtype is acc and (bias is None or bias.dtype is acc):
+        z = torch.nn.functional.linear(x, weight, bias)  # one op: the product and the bias
+        return z if activation is None else _bias_act_torch_act(z, activation)
     z = torch.matmul(x.to(acc), weight.to(acc).t())
     if activation is None:
         y = z if bias is None else z + bias.to(acc)

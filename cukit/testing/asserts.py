@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from cukit.interop import array_kind, as_dtype, device_of
+from cukit.interop import array_kind, as_dtype, device_of, dtype_name
 
 __all__ = ["TOLERANCES", "assert_close", "check_against_oracle", "to_numpy", "tolerance"]
 
@@ -251,6 +251,61 @@ def _describe(x: Any) -> str:
     return f"a {cls} on {'the CPU' if dev is None else f'cuda:{dev}'}"
 
 
+def _dtype_label(dtype: Any) -> str:
+    """A dtype's name, given as a name, NumPy/CuPy dtype or torch.dtype (also outside cukit's table)."""
+    try:
+        return as_dtype(dtype).name
+    except TypeError:
+        pass
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype).removeprefix("torch.")
+
+
+def _inputs_float_dtype(tree: Any) -> str | None:
+    """The floating dtype of the array inputs, promoted together (cukit.matmul's result_dtype:
+    NumPy's promotion, bfloat16 as torch); None when no input array is floating."""
+    names: list[str] = []
+
+    def walk(t: Any) -> None:
+        if _is_array(t):
+            name = dtype_name(t)
+            if name in ("float16", "bfloat16", "float32", "float64"):
+                names.append(name)
+        elif isinstance(t, (list, tuple)):
+            for item in t:
+                walk(item)
+        elif isinstance(t, dict):
+            for item in t.values():
+                walk(item)
+
+    walk(tree)
+    if not names:
+        return None
+    from cukit.ops.matmul import result_dtype
+
+    out = names[0]
+    for name in names[1:]:
+        out = result_dtype(out, name)
+    return out
+
+
+def _expected_dtype(out_dtype: Any, i: int, exp: np.ndarray, inputs_float: str | None) -> tuple[str, str]:
+    """(the dtype output i must have, where that rule comes from): check_against_oracle's step 3."""
+    if isinstance(out_dtype, (list, tuple)):
+        if len(out_dtype) <= i:
+            raise TypeError(f"check_against_oracle: out_dtype has {len(out_dtype)} entries; the op returned more outputs")
+        given = out_dtype[i]
+    else:
+        given = out_dtype
+    if given is not None:
+        return _dtype_label(given), "out_dtype"
+    if exp.dtype.kind == "f" and inputs_float is not None:
+        return inputs_float, "the inputs' floating dtype"
+    return exp.dtype.name, "the oracle's output dtype"
+
+
 def check_against_oracle(
     op: Callable[..., Any],
     oracle: Callable[..., Any],
@@ -258,6 +313,7 @@ def check_against_oracle(
     dtype: Any = None,
     atol: float | None = None,
     rtol: float | None = None,
+    out_dtype: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``op(*args, **kwargs)`` and check it against ``oracle`` on float64 NumPy copies.
@@ -268,12 +324,20 @@ def check_against_oracle(
     2. ``op`` runs on the arrays as given; ``oracle`` runs on the copies, with the same non-array
        arguments.
     3. Each output of ``op`` (one array, or a tuple/list of arrays matched to the oracle's tuple/list)
-       must be of the array type (NumPy, CuPy, torch) and on the device of the first array argument,
-       and close to the oracle's output by ``assert_close(out, expected, dtype=dtype, atol=atol,
+       must be of the array type (NumPy, CuPy, torch) and on the device of the first array argument;
+       must have the expected dtype: ``out_dtype`` when given (one dtype for every output, or a
+       list/tuple with one per output, None entries inferred), else inferred: where the oracle's
+       output is floating, the floating array inputs' dtype promoted together (NumPy's promotion,
+       bfloat16 as torch: float16 with bfloat16 gives float32), so a float16 op must return
+       float16; where it is not (integer indices, bool masks), the oracle's own dtype; and must be
+       close to the oracle's output by ``assert_close(out, expected, dtype=dtype, atol=atol,
        rtol=rtol)`` (the tolerance of each output's own dtype unless dtype is given).
 
-    Returns op's result. Raises AssertionError on a wrong type, device, count or value.
-    ``dtype``, ``atol`` and ``rtol`` are consumed here: they are not passed on to op or oracle.
+    Returns op's result. Raises AssertionError on a wrong type, device, dtype, count or value.
+    ``dtype``, ``atol``, ``rtol`` and ``out_dtype`` are consumed here: they are not passed on to op
+    or oracle.
+
+    See also: ``numpy.testing.assert_allclose``, ``torch.testing.assert_close``.
     """
     first = _first_array((args, kwargs))
     if first is None:
@@ -293,12 +357,19 @@ def check_against_oracle(
         raise AssertionError(f"op returned {len(outs)} outputs, the oracle {len(exps)}")
 
     kind, device = array_kind(first), device_of(first)
+    inputs_float = _inputs_float_dtype((args, kwargs))
     for i, (out, exp) in enumerate(zip(outs, exps, strict=True)):
         label = f"output {i} of {len(outs)}" if many else "output"
         if not _is_array(out) or array_kind(out) != kind or device_of(out) != device:
             raise AssertionError(
                 f"{label}: op returned {_describe(out)} for {_describe(first)} input; "
                 "outputs must have the input's array type and device"
+            )
+        want, source = _expected_dtype(out_dtype, i, to_numpy(exp), inputs_float)
+        if dtype_name(out) != want:
+            raise AssertionError(
+                f"{label}: op returned dtype {dtype_name(out)}; expected {want} ({source}; pass "
+                "out_dtype= to check_against_oracle if the op's output dtype differs by design)"
             )
         assert_close(out, exp, dtype=dtype, atol=atol, rtol=rtol, msg=label)
     return result

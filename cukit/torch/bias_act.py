@@ -32,8 +32,25 @@ def _bias_act_impl(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torc
     """y = act(x + bias); see ``cukit.bias_act``."""
     if x.is_cuda:
         return _op.forward_gpu(x, bias, _op.activation_id(activation))
-    _op.validate(x, bias, activation)
-    return _op.reference_torch(x, bias, activation)
+    # CPU: the checks torch's own broadcasting would not make (bias exactly (C,) of x's float
+    # dtype, a known activation) are cheap; the rest only when torch refuses
+    if not (
+        x.dtype is bias.dtype
+        and x.dtype in _FLOAT
+        and bias.ndim == 1
+        and x.ndim >= 1
+        and bias.shape[0] == x.shape[-1]
+        and activation in _op.ACTIVATIONS
+    ):
+        _op.validate(x, bias, activation)
+    try:
+        return _op.reference_torch(x, bias, activation)
+    except RuntimeError:
+        _op.validate(x, bias, activation)
+        raise
+
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _bias_act_fake(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:

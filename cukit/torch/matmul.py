@@ -44,9 +44,14 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tens
     """a @ b (numpy.matmul semantics) for tensors of one float dtype; see ``cukit.matmul``."""
     if a.is_cuda:
         return _op._matmul_gpu(a, b, precision=precision)  # validated on a signature's first call
-    _op._validate_pair(a, b)
-    _op.matmul_shape(tuple(a.shape), tuple(b.shape))
-    return _op.reference_torch(a, b)
+    # CPU: torch.matmul has numpy.matmul's semantics for same-dtype tensors and refuses everything
+    # else; cukit's checks run only then, so the error names cukit.matmul and the argument
+    try:
+        return _op.reference_torch(a, b)
+    except RuntimeError:
+        _op._validate_pair(a, b)
+        _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+        raise
 
 
 def _matmul_fake(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
@@ -236,8 +241,21 @@ def _linear_impl(
             x, weight, bias, _act_id(activation), precision=precision,
             check=lambda: _op._validate_linear(x, weight, bias, activation),
         )
-    _op._validate_linear(x, weight, bias, activation)
-    return _op.linear_reference_torch(x, weight, bias, activation)
+    # CPU: what torch would accept but cukit does not (a 1-D weight, a broadcast bias, an unknown
+    # activation) is checked here; the rest only when torch refuses, for an error naming the argument
+    if (
+        weight.ndim != 2
+        or (bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]))
+        or (activation is not None and activation not in ACTIVATIONS)
+        or x.dtype is not weight.dtype
+        or (bias is not None and bias.dtype is not x.dtype)
+    ):
+        _op._validate_linear(x, weight, bias, activation)
+    try:
+        return _op.linear_reference_torch(x, weight, bias, activation)
+    except RuntimeError:
+        _op._validate_linear(x, weight, bias, activation)
+        raise
 
 
 def _linear_fake(

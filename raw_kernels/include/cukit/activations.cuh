@@ -7,12 +7,22 @@ namespace cukit {
 
 enum Activation : int { ACT_RELU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_SILU = 3 };
 
-__device__ __forceinline__ float erf_(float z) { return erff(z); }
-__device__ __forceinline__ double erf_(double z) { return erf(z); }
+__device__ __forceinline__ float erfc_(float z) { return erfcf(z); }
+__device__ __forceinline__ double erfc_(double z) { return erfc(z); }
 __device__ __forceinline__ float exp_(float z) { return expf(z); }
 __device__ __forceinline__ double exp_(double z) { return exp(z); }
-__device__ __forceinline__ float tanh_(float z) { return tanhf(z); }
-__device__ __forceinline__ double tanh_(double z) { return tanh(z); }
+
+// The exact forms (float32 with IEEE division, float64) avoid the cancellations of the textbook
+// ones: Phi(z) = erfc(-z / sqrt2) / 2 instead of (1 + erf(z / sqrt2)) / 2, which loses all
+// relative accuracy in the left tail (1 + erf(-3) is 2e-5 with an absolute error of one float
+// ulp of 1); (1 + tanh u) / 2 = sigmoid(2u); and 1 - sigmoid(v) = e sigmoid(v) with e = exp(-v)
+// for v >= 0 (1 - s rounds s ~ 1 away), 1 - s for v < 0 (s small: exact enough, and e could
+// overflow).
+template <typename A> __device__ __forceinline__ void sigmoid2(A v, A& s, A& one_minus_s) {
+  const A e = exp_(-v);
+  s = A(1) / (A(1) + e);
+  one_minus_s = v >= A(0) ? e * s : A(1) - s;
+}
 
 template <typename A> struct GeluConst {
   static constexpr A inv_sqrt2 = A(0.70710678118654752440);
@@ -53,14 +63,14 @@ template <int ACT, bool FAST, typename A> __device__ __forceinline__ A act_fwd(A
       normal_cdf_fast(z, cdf, e);
       return z * cdf;
     } else {
-      return A(0.5) * z * (A(1) + erf_(z * GeluConst<A>::inv_sqrt2));
+      return A(0.5) * z * erfc_(-z * GeluConst<A>::inv_sqrt2);
     }
   } else if constexpr (ACT == ACT_GELU_TANH) {
     const A u = GeluConst<A>::sqrt_2_over_pi * (z + GeluConst<A>::k * z * z * z);
     if constexpr (FAST) {
       return z * frcp<true>(1.0f + fexp<true>(-2.0f * u));  // 0.5 (1 + tanh u) = sigmoid(2u)
     } else {
-      return A(0.5) * z * (A(1) + tanh_(u));
+      return z / (A(1) + exp_(A(-2) * u));
     }
   } else {
     static_assert(ACT == ACT_SILU, "unknown activation");
@@ -83,7 +93,7 @@ template <int ACT, bool FAST, typename A> __device__ __forceinline__ A act_grad(
       normal_cdf_fast(z, cdf, e);
       return cdf + z * GeluConst<float>::inv_sqrt_2pi * e;
     } else {
-      const A cdf = A(0.5) * (A(1) + erf_(z * GeluConst<A>::inv_sqrt2));
+      const A cdf = A(0.5) * erfc_(-z * GeluConst<A>::inv_sqrt2);
       const A pdf = GeluConst<A>::inv_sqrt_2pi * exp_(A(-0.5) * z * z);
       return cdf + z * pdf;
     }
@@ -95,13 +105,20 @@ template <int ACT, bool FAST, typename A> __device__ __forceinline__ A act_grad(
       const float s = frcp<true>(1.0f + fexp<true>(-2.0f * u));  // s = (1 + tanh u) / 2, 1 - tanh^2 = 4 s (1 - s)
       return s + 2.0f * z * s * (1.0f - s) * du;
     } else {
-      const A t = tanh_(u);
-      return A(0.5) * (A(1) + t) + A(0.5) * z * (A(1) - t * t) * du;
+      A s, q;  // 1 - tanh^2 u = 4 s q
+      sigmoid2(A(2) * u, s, q);
+      return s + A(2) * z * s * q * du;
     }
   } else {
     static_assert(ACT == ACT_SILU, "unknown activation");
-    const A s = FAST ? A(frcp<true>(1.0f + fexp<true>(-float(z)))) : A(1) / (A(1) + exp_(-z));
-    return s * (A(1) + z * (A(1) - s));
+    if constexpr (FAST) {
+      const float s = frcp<true>(1.0f + fexp<true>(-z));
+      return s * (1.0f + z * (1.0f - s));
+    } else {
+      A s, q;
+      sigmoid2(z, s, q);
+      return s * (A(1) + z * q);
+    }
   }
 }
 
