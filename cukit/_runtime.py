@@ -525,8 +525,8 @@ class Launch:
     """
 
     __slots__ = (
-        "_base", "_buf", "_cufn", "_params", "_struct", "block", "device", "fn", "grid", "head_kinds",
-        "name", "smem", "tail",
+        "_base", "_buf", "_cu", "_cufn", "_fixed", "_params", "_struct", "block", "device", "fn", "grid",
+        "head_kinds", "name", "smem", "tail",
     )
 
     def __init__(
@@ -545,9 +545,12 @@ class Launch:
         self.grid = (*grid, 1, 1)[:3]
         self.block = (*block, 1, 1)[:3]
         self.device, self.name, self.head_kinds = device, name, head_kinds
-        self._cufn = None
-        if _cu_launch_kernel() is not None and len(tail_kinds) == len(tail):
+        self._cufn = self._fixed = None
+        self._cu = _cu_launch_kernel()
+        if self._cu is not None and len(tail_kinds) == len(tail):
             self._build_params(head_kinds, tail_kinds)
+            # cuLaunchKernel's arguments before the stream, in one tuple: the hot path unpacks it
+            self._fixed = (self._cufn, *self.grid, *self.block, smem)
 
     def _build_params(self, head_kinds: tuple[str, ...], tail_kinds: tuple[str, ...]) -> None:
         import cupy
@@ -576,7 +579,13 @@ class Launch:
             ctypes.memmove(base_addr + o, raw, len(raw))
 
     def __call__(self, head: tuple[Any, ...], stream: Any) -> None:
-        if _get_device() == self.device:
+        fixed = self._fixed
+        if fixed is not None and _get_device() == self.device:
+            self._struct.pack_into(self._buf, self._base, *head)
+            if not self._cu(*fixed, stream.ptr, self._params, None):
+                return
+            self._launch(head, stream, retry=True)  # the launch failed: nothing was enqueued
+        elif _get_device() == self.device:
             self._launch(head, stream)
         else:  # a kernel runs in its device's context: switch for tensors on another GPU
             import cupy
@@ -584,13 +593,13 @@ class Launch:
             with cupy.cuda.Device(self.device):
                 self._launch(head, stream)
 
-    def _launch(self, head: tuple[Any, ...], stream: Any) -> None:
+    def _launch(self, head: tuple[Any, ...], stream: Any, retry: bool = False) -> None:
         if self._cufn is None:
             if "b128" in self.head_kinds:
                 head = tuple(_bytes_to_arg(v) for v in head)
             self.fn(self.grid, self.block, head + self.tail, shared_mem=self.smem, stream=stream)
             return
-        rc = self._driver_launch(head, stream)
+        rc = _CUDA_ERROR_INVALID_CONTEXT if retry else self._driver_launch(head, stream)
         if rc == _CUDA_ERROR_INVALID_CONTEXT:
             # a thread without a current CUDA context (a fresh thread): the device's primary one
             import cupy
@@ -604,9 +613,7 @@ class Launch:
     def _driver_launch(self, head: tuple[Any, ...], stream: Any) -> int:
         """Pack the leading arguments and call cuLaunchKernel; its CUresult."""
         self._struct.pack_into(self._buf, self._base, *head)
-        g, b = self.grid, self.block
-        return _cu_launch_kernel()(self._cufn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.ptr,
-                                   self._params, None)
+        return self._cu(*self._fixed, stream.ptr, self._params, None)
 
     def __repr__(self) -> str:
         return f"Launch({self.name}, grid={self.grid}, block={self.block}, smem={self.smem}, device={self.device})"

@@ -244,3 +244,34 @@ def test_gpu_user_kernel_launch_with_typed_scalar(tmp_path: Path):
     m.launch("scale<float>", (4,), (256,), (x, x.size, 2.0), device=0, stream=cupy.cuda.get_current_stream())
     assert m.compiles == 1  # memoised
     cupy.testing.assert_allclose(x, cupy.arange(1000, dtype=cupy.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_launch_from_a_fresh_thread():
+    """A prepared launch (the driver call) from a thread that has no current CUDA context, as
+    torch's autograd worker can be, retries in the device's primary context instead of failing;
+    the result matches the main thread's."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import cukit
+
+    x = torch.randn(64, 48, device="cuda")
+    b = torch.randn(48, device="cuda")
+    want = cukit.bias_act(x, b, "gelu")  # the plan is built here
+    got: list[object] = []
+
+    def worker() -> None:
+        try:
+            got.append(cukit.bias_act(x, b, "gelu"))
+        except BaseException as e:  # surfaced by the assertion below
+            got.append(e)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    torch.cuda.synchronize()
+    assert isinstance(got[0], torch.Tensor), got[0]
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
