@@ -6,25 +6,31 @@ BIN := $(VENV)/bin
 # torch: this project's machines serve torch==2.13.0 as a local CPU wheel; elsewhere set TORCH_SPEC
 # (e.g. to a CPU index URL or the CUDA build you want).
 TORCH_SPEC ?= torch==2.13.0
+# `make test` needs the test tools and offline NVRTC (`.ci/run` checks the kernels with it);
+# `make demo` needs only torch and scikit-learn (the data set).
 EXTRAS ?= torch,test,dev,demo,nvrtc
+DEMO_EXTRAS ?= torch,demo
 ARCHS ?= sm_80,sm_90
+comma := ,
+# One stamp per extras set, so that `make demo` followed by `make test` still installs the test extras.
+stamp = $(BIN)/.installed-$(subst $(comma),+,$(1))
 
 .PHONY: demo test lint check-kernels gpu-check clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed-%: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q -e ".[$(subst +,$(comma),$*)]"
 	touch $@
 
-demo: $(BIN)/.installed
+demo: $(call stamp,$(DEMO_EXTRAS))
 	$(BIN)/cukit demo
 
-lint: $(BIN)/.installed
+lint: $(call stamp,$(EXTRAS))
 	$(BIN)/ruff check .
 
-check-kernels: $(BIN)/.installed
+check-kernels: $(call stamp,$(EXTRAS))
 	$(BIN)/cukit check-kernels --arch $(ARCHS)
 
 test: lint check-kernels
