@@ -49,8 +49,11 @@ import cukit
 from cukit.ops.bias_act import ACTIVATIONS as _BIAS_ACT_ACTIVATIONS
 
 __all__ = [
+    "CNN_LOSS_TOLERANCE",
     "EXPERIMENTS",
+    "LOSS_TOLERANCE",
     "DemoOptions",
+    "Digits",
     "ExperimentResult",
     "MatmulConv2d",
     "Row",

@@ -684,9 +684,9 @@ _FORCED: str | None = None
 
 @contextlib.contextmanager
 def force_kernel(kernel: str | None) -> Iterator[None]:
-    """Make every GPU matmul/linear in the block use one kernel family (for tests and benchmarks;
-    not public API): "simt", "tc", or a family with a version such as "simt_v1" (prepared with
-    ``module.prepare(g, version="v1")``). None restores the heuristic.
+    """Make every GPU matmul/linear in the block use one kernel family, to compare them (tests,
+    benchmarks, ``examples/cnn_matmul_kernels.py``): "simt", "tc", or a family with a version such
+    as "simt_v1" (prepared with ``module.prepare(g, version="v1")``). None restores the heuristic.
 
     Process-wide (a module global, not a context variable): torch runs CUDA backward passes on its
     own threads, which must see it too. Not thread-safe; nest freely."""
