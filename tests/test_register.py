@@ -66,6 +66,35 @@ def test_autocast_matmul_and_linear_run_in_the_autocast_dtype(device, dtype):
 
 
 @pytest.mark.parametrize("device", devices())
+def test_dispatcher_shortcuts_keep_autocast_autograd_and_tracing(device):
+    """The Autograd and Autocast kernels call the implementation directly only when nothing is
+    cast, nothing records a graph and nothing sits between them and the backend: inputs already
+    in the autocast dtype, a compiled graph under autocast, grad-requiring inputs under no_grad.
+    Otherwise the full path runs: casts happen, graphs are recorded, jit.trace sees the op."""
+    w = torch.randn(4, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(8, 16, device=device, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = torch.ops.cukit.linear(x, w, None, None, "ieee")  # nothing to cast, but a graph to record
+        assert y.requires_grad and y.grad_fn is not None
+        with torch.no_grad():
+            y0 = torch.ops.cukit.linear(x, w, None, None, "ieee")  # the direct shortcut
+        assert not y0.requires_grad
+        y32 = torch.ops.cukit.linear(x.float(), w, None, None, "ieee")  # cast: x goes to bfloat16
+        assert y32.dtype == torch.bfloat16
+        f = torch.compile(lambda x, w: cukit.linear(x, w), backend="aot_eager", fullgraph=True)
+        yc = f(x.float(), w)
+    for out in (y, y0, y32, yc):
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    yc.float().sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+    if device == "cpu":  # jit.trace records the op (the Tracer key is not skipped)
+        with torch.no_grad():
+            traced = torch.jit.trace(lambda x, w: cukit.linear(x, w), (x, w.detach()))
+        assert "cukit::linear" in str(traced.graph)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_autocast_bias_act_promotes_like_an_elementwise_op(device):
     x = torch.randn(4, 8, device=device, dtype=torch.bfloat16)
     b = torch.randn(8, device=device)

@@ -52,6 +52,8 @@ __all__ = [
 _LIB = torch.library.Library("cukit", "FRAGMENT")  # the autocast kernels live here
 
 DIRECT, FUNCTION, FUNCTORCH, DISPATCH = 0, 1, 2, 3
+_AUTOCAST_CUDA, _AUTOCAST_CPU = torch._C.DispatchKey.AutocastCUDA, torch._C.DispatchKey.AutocastCPU
+_AUTOGRAD = (torch._C.DispatchKey.AutogradCUDA, torch._C.DispatchKey.AutogradCPU)
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
@@ -149,6 +151,7 @@ class TorchOp:
     ) -> None:
         self.name = name
         self.impl = impl
+        self._direct: Callable[..., bool] | None = None  # set by _register_light_autograd
         self.op = torch.library.custom_op(f"cukit::{name}", impl, mutates_args=())
         # CUDA tensors reach `impl` straight from the dispatcher's CUDA key (what compiled graphs
         # call): custom_op's own default kernel wraps every call in dynamo-disabling and aliasing
@@ -213,7 +216,16 @@ class TorchOp:
         except (ImportError, AttributeError, TypeError):
             return
         overload = self.op._opoverload
-        for device_type, backend in (("CUDA", torch._C.DispatchKey.CUDA), ("CPU", torch._C.DispatchKey.CPU)):
+        backends = (torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU)
+
+        def direct(keyset: Any, args: tuple[Any, ...]) -> bool:
+            """Whether a call may go straight to `impl`: no graph to record, only a backend below."""
+            return not (_is_grad_enabled() and any_requires_grad(*args)) and (
+                (keyset & after).highestPriorityTypeId() in backends
+            )
+
+        self._direct = direct
+        for device_type, backend in (("CUDA", backends[0]), ("CPU", backends[1])):
 
             def kernel(keyset: Any, *args: Any, _backend: Any = backend) -> Any:
                 if _is_grad_enabled() and any_requires_grad(*args):
@@ -231,14 +243,28 @@ class TorchOp:
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
             excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
-            def kernel(_keyset: Any, *args: Any, _excluded: Any = excluded, _dev: str = device_type) -> Any:
+            def kernel(keyset: Any, *args: Any, _excluded: Any = excluded, _dev: str = device_type) -> Any:
                 # Below this key autocast is off for the call, as in torch's own autocast kernels.
                 idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 cast = rule([args[i] for i in idx], _dev)
+                changed = False
                 if cast is not None:
-                    args = list(args)
+                    args = list(args)  # type: ignore[assignment]
                     for i, t in zip(idx, cast, strict=True):
+                        changed = changed or t is not args[i]
                         args[i] = t
+                # nothing to cast and nothing to record (a compiled graph under autocast: its casts
+                # are in the graph): the implementation, without a second trip through the dispatcher
+                # (the check: autograd is the next key below autocast, so no tracer or other layer
+                # sits in between, and the light autograd kernel would call impl itself)
+                direct = self._direct
+                if (
+                    not changed
+                    and direct is not None
+                    and keyset.remove(_AUTOCAST_CUDA).remove(_AUTOCAST_CPU).highestPriorityTypeId() in _AUTOGRAD
+                    and direct(keyset, args)
+                ):
+                    return self.impl(*args)
                 with torch._C._ExcludeDispatchKeyGuard(_excluded):
                     return self.op._opoverload(*args)
 
