@@ -782,8 +782,8 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
         for (int ni = 0; ni < NI; ++ni) {
           const long long col = n0 + wn * WN + ni * 8 + 2 * t;
           if (col >= N) continue;
-          const T v0 = from_acc<T>(epilogue<ACT, float>(acc[mi][ni][2 * h], bv[ni][0]));
-          const T v1 = from_acc<T>(epilogue<ACT, float>(acc[mi][ni][2 * h + 1], bv[ni][1]));
+          const T v0 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(acc[mi][ni][2 * h], bv[ni][0]));
+          const T v1 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(acc[mi][ni][2 * h + 1], bv[ni][1]));
           if (pair) {  // col is even and col + 1 < N (N even)
             Vec<T, 2> v;
             v.v[0] = v0;
@@ -949,8 +949,8 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], T* Cz, const T
       if (col >= N) continue;
       const float b0 = bias != nullptr ? to_acc<float>(bias[col]) : 0.0f;
       const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
-      const T v0 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h], b0));
-      const T v1 = from_acc<T>(epilogue<ACT, float>(d[4 * i + 2 * h + 1], b1));
+      const T v0 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(d[4 * i + 2 * h], b0));
+      const T v1 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(d[4 * i + 2 * h + 1], b1));
       if (pair) {
         Vec<T, 2> v;
         v.v[0] = v0;
@@ -1239,8 +1239,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
       const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const T v0 = from_acc<T>(epilogue<ACT, float>(d[4 * ii + 2 * h], b0));
-        const T v1 = from_acc<T>(epilogue<ACT, float>(d[4 * ii + 2 * h + 1], b1));
+        const T v0 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(d[4 * ii + 2 * h], b0));
+        const T v1 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(d[4 * ii + 2 * h + 1], b1));
         tc::sts32(stg + (w * 16 + g + 8 * h) * OUT_ROW + (8 * i + 2 * t) * 2, bits16(v0) | (bits16(v1) << 16));
       }
     }

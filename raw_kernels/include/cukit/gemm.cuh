@@ -29,12 +29,15 @@ __device__ __forceinline__ BatchOffsets batch_offset(long long z, long long M, l
 }
 
 // The fused epilogue: act(acc + bias[n]) in the accumulation type. ACT < 0: no activation.
-template <int ACT, typename A> __device__ __forceinline__ A epilogue(A acc, const A bias_n) {
+// FAST (float accumulators of a 16-bit output, as bias_act's kernels): the activations' fast
+// forms, whose error is far below one bfloat16/float16 rounding; the exact forms (erfc, IEEE
+// division) cost the non-overlapped epilogue of a large GEMM several % of its time.
+template <int ACT, typename A, bool FAST = false> __device__ __forceinline__ A epilogue(A acc, const A bias_n) {
   const A z = acc + bias_n;
   if constexpr (ACT < 0) {
     return z;
   } else {
-    return act_fwd<ACT, false>(z);
+    return act_fwd<ACT, FAST>(z);
   }
 }
 
