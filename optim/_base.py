@@ -7,16 +7,19 @@ over every tensor. The device tables are rebuilt only when a pointer changes. St
 one float32 device vector per launch; ``state[p]["step"]`` are 0-dim views into it (torch's layout:
 a float32 scalar tensor per parameter), so state_dicts load both ways.
 
-Without a GPU (or for CPU tensors) the same class runs ``optim/_reference.py`` one tensor at a time.
+Without a GPU (or for CPU tensors) the same class runs ``optim/_reference.py`` over the same lists
+(torch's ``_foreach_*`` ops: a constant number of torch calls per launch, whatever the number of
+tensors). Arguments are checked by ``optim/_checks.py`` in the constructor and ``add_param_group``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim._kernels import COMBOS
 
@@ -27,7 +30,7 @@ __all__ = ["MultiTensorOptimizer"]
 
 Tensor = torch.Tensor
 _DATA_PTR = Tensor.data_ptr
-_STATE_DTYPES = {None, torch.float32, torch.bfloat16, torch.float16, torch.float64}
+_MAX_GRAD_NORM = chk.number(low_open=True, none="no clipping")
 
 
 @dataclass
@@ -74,6 +77,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler passes grad_scale / found_inf
     _module: ClassVar[KernelModule]
     _has_step: ClassVar[bool] = True
+    # how each hyperparameter (constructor argument or param-group key) is checked: optim/_checks.py
+    _rules: ClassVar[dict[str, chk.Rule]] = {}
 
     def __init__(
         self,
@@ -85,12 +90,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        if state_dtype not in _STATE_DTYPES:
-            raise TypeError(f"state_dtype must be None, torch.float32 or torch.bfloat16; got {state_dtype!r}")
-        if max_grad_norm is not None and not (float(max_grad_norm) > 0.0):
-            raise ValueError(f"max_grad_norm must be a positive number or None; got {max_grad_norm!r}")
-        self._flat = bool(flat_grads)
-        self._master = bool(master_weights)
+        owner = type(self).__name__
+        chk.FLAG(owner, "flat_grads", flat_grads)
+        chk.FLAG(owner, "master_weights", master_weights)
+        chk.check_state_dtype(owner, state_dtype)
+        _MAX_GRAD_NORM(owner, "max_grad_norm", max_grad_norm)
+        self._flat = flat_grads
+        self._master = master_weights
         self._state_dtype = state_dtype
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._key: list[int] | None = None
@@ -108,6 +114,17 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 raise TypeError("cukit.optim does not support sparse parameters")
         if self._flat:
             self._make_flat_grads()
+
+    # ---------------------------------------------------------------- argument checks
+    def _check_args(self, values: Mapping[str, Any], where: str = "") -> None:
+        """Check `values` (argument name -> value) by ``self._rules``, then their combination
+        (:meth:`_check_combination`); TypeError / ValueError naming the class and the argument."""
+        owner = type(self).__name__
+        chk.check(owner, self._rules, values, where)
+        self._check_combination(values, f"{owner} ({where})" if where else owner)
+
+    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
+        """Checks that involve several hyperparameters of one group (e.g. SGD's nesterov)."""
 
     # ---------------------------------------------------------------- subclass hooks
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -131,7 +148,21 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- torch.optim.Optimizer API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, plus the checks of the constructor for the hyperparameters the group sets
+        (TypeError / ValueError) and for its parameters' dtypes (with ``state_dtype``)."""
+        where = f"param group {len(self.param_groups)}"
+        if isinstance(param_group, dict):
+            overrides = {k: v for k, v in param_group.items() if k != "params"}
+            if overrides:
+                self._check_args({**self.defaults, **overrides}, where)
         super().add_param_group(param_group)
+        try:
+            chk.check_param_dtypes(
+                type(self).__name__, self.param_groups[-1]["params"], self._state_dtype, self._master, where
+            )
+        except TypeError:
+            self.param_groups.pop()
+            raise
         if hasattr(self, "_all"):
             self._all = [p for g in self.param_groups for p in g["params"]]
             self._invalidate()
@@ -455,10 +486,33 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         for plan in self._plans:
             steps: list[float] = []
             if self._has_step:
-                for p in plan.params:
-                    s = self.state[p]["step"]
-                    s += 1
-                    steps.append(float(s))
+                counts = [self.state[p]["step"] for p in plan.params]
+                torch._foreach_add_(counts, 1.0)
+                steps = _values(counts)
+            first = plan.scratch.get("first")
+            if first is None:
+                first = plan.scratch["first"] = plan.scratch["fresh"].tolist()
+            for gi, sub, sel in self._reference_groups(plan):
+                if sel is None:
+                    sub.scratch["first"] = first
+                    self._reference(self.param_groups[gi], sub, steps, gmul)
+                else:
+                    sub.scratch["first"] = [first[i] for i in sel]
+                    self._reference(self.param_groups[gi], sub, [steps[i] for i in sel] if steps else [], gmul)
+            if any(first):
+                plan.scratch["fresh"] = torch.zeros_like(plan.scratch["fresh"])
+                plan.scratch["first"] = [False] * len(first)
+
+    def _reference_groups(self, plan: _Plan) -> list[tuple[int, _Plan, list[int] | None]]:
+        """The plan split by param group, once per plan: (group index, its part of the plan, the
+        part's positions in the plan, None when the plan has one group)."""
+        parts = plan.scratch.get("groups")
+        if parts is not None:
+            return parts
+        if len(plan.gids) == 1:
+            parts = [(plan.gids[0], plan, None)]
+        else:
+            parts = []
             for gi in plan.gids:
                 sel = [i for i, g in enumerate(plan.member_gids) if g == gi]
                 sub = _Plan(
@@ -471,9 +525,20 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                     plan.sname,
                     plan.variant,
                 )
-                sub.scratch["fresh"] = plan.scratch["fresh"][sel] if sel else plan.scratch["fresh"][:0]
-                self._reference(self.param_groups[gi], sub, [steps[i] for i in sel] if steps else [], gmul)
-            plan.scratch["fresh"] = torch.zeros_like(plan.scratch["fresh"])
+                parts.append((gi, sub, sel))
+        plan.scratch["groups"] = parts
+        return parts
+
+
+def _values(counts: list[Tensor]) -> list[float]:
+    """The values of 0-dim tensors: one stack and one read when they share a device (as the
+    reference's step counts do, unless a state_dict put some elsewhere)."""
+    if not counts:
+        return []
+    try:
+        return torch.stack(counts).tolist()
+    except RuntimeError:
+        return [float(c) for c in counts]
 
 
 class _OnDevice:

@@ -1,53 +1,141 @@
 """Plain-torch references with the kernels' maths: the CPU fallback of cukit.optim and the oracle of
-its tests. One tensor at a time, in float32 (float64 for float64 tensors) from the stored values,
-rounded once to each storage dtype, with the hyperparameters rounded to float32 as the kernels
-receive them. Steps are counted by the caller before the update (as the kernels' mt_count_step).
+its tests. Each function updates whole lists with torch's ``_foreach_*`` ops, one call per
+operation for all the tensors, as torch.optim's foreach path: the number of torch calls per step
+does not grow with the number of tensors. That matters beyond the calls' own cost: every torch
+call releases the GIL, and while other Python threads are busy, retaking it can wait for the
+interpreter's switch interval (longer still when the op started an OpenMP team that has to wait
+for a core).
 
-See also: torch/optim/adam.py ``_single_tensor_adam``, sgd.py ``_single_tensor_sgd``,
-adagrad.py ``_single_tensor_adagrad``.
+The numbers are the kernels': the update runs in float32 (float64 for float64 tensors) from the
+stored values and is rounded once to each storage dtype; tensors already in that dtype are updated
+in place, others through float copies. Hyperparameters are rounded to float32 as the kernels
+receive them, constants derived from them (bias corrections, ``1 - b``, ``1 - lr·wd``) computed in
+float64 and rounded to the tensor's dtype by the op, as the kernels compute them in double and cast.
+The formulas are the kernels', operation by operation, except where one foreach op fuses two
+(``lerp``, ``addcmul``, ``addcdiv``): there the rounding may differ in the last bit (the kernels
+contract into FMAs too). Steps are counted by the caller before the update (as the kernels'
+mt_count_step). Zero-size tensors are skipped.
+
+See also: torch/optim/adam.py ``_multi_tensor_adam``, sgd.py ``_multi_tensor_sgd``,
+adagrad.py ``_multi_tensor_adagrad``.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
 __all__ = ["adagrad", "adam", "lamb", "lion", "sgd"]
 
 Tensor = torch.Tensor
+Acc = torch.dtype | list[torch.dtype]  # one accumulation dtype for a list, or one per tensor
+_FLOAT = struct.Struct("f")
 
 
 def f32(x: float | Tensor) -> float:
-    """A hyperparameter as the kernel sees it: rounded to float32."""
-    return float(np.float32(float(x)))
+    """A hyperparameter as the kernel sees it: rounded to float32 (inf beyond its range)."""
+    x = float(x)
+    try:
+        return _FLOAT.unpack(_FLOAT.pack(x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
-def _acc(t: Tensor) -> Tensor:
-    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+def _acc(params: Sequence[Tensor]) -> Acc:
+    """The accumulation dtype of the params (float64 for float64, else float32): one dtype when they
+    all agree (the optimizers' plans always do), else one per tensor."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) == 1:
+        return torch.float64 if torch.float64 in dtypes else torch.float32
+    return [torch.float64 if p.dtype == torch.float64 else torch.float32 for p in params]
 
 
-def _grad(g: Tensor, sign: float, gmul: Tensor | None) -> Tensor:
-    out = _acc(g) * sign
+def _nonempty(lists: list[Any]) -> list[Any]:
+    """The lists (None allowed) without the entries of zero-size tensors; lists[0] holds the params."""
+    params = lists[0]
+    keep = [i for i, p in enumerate(params) if p.numel()]
+    if len(keep) == len(params):
+        return lists
+    return [None if x is None else [x[i] for i in keep] for x in lists]
+
+
+def _work(ts: Sequence[Tensor], acc: Acc) -> list[Tensor]:
+    """`ts` in the accumulation dtype: the list itself when every tensor has it (updated in place),
+    else float copies where needed (written back by :func:`_store`)."""
+    if isinstance(acc, torch.dtype):
+        if all(t.dtype == acc for t in ts):
+            return ts if isinstance(ts, list) else list(ts)
+        return [t if t.dtype == acc else t.to(acc) for t in ts]
+    return [t if t.dtype == a else t.to(a) for t, a in zip(ts, acc, strict=True)]
+
+
+def _store(dst: Sequence[Tensor], work: Sequence[Tensor]) -> None:
+    """Round the work list to storage where it holds copies."""
+    if work is dst:
+        return
+    pairs = [(d, w) for d, w in zip(dst, work, strict=True) if d is not w]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [w for _, w in pairs])
+
+
+def _weights(params: Sequence[Tensor], masters: Sequence[Tensor | None] | None, acc: Acc) -> list[Tensor]:
+    if masters is None:
+        return _work(params, acc)
+    return _work([p if m is None else m for p, m in zip(params, masters, strict=True)], acc)
+
+
+def _store_weights(params: Sequence[Tensor], masters: Sequence[Tensor | None] | None, w: list[Tensor]) -> None:
+    if masters is not None:
+        _store([p if m is None else m for p, m in zip(params, masters, strict=True)], w)
+    _store(params, w)
+
+
+def _grads(grads: Sequence[Tensor], acc: Acc, sign: float, gmul: Tensor | None) -> tuple[list[Tensor], bool]:
+    """``sign · grad · gmul`` in the accumulation dtype, and whether the list is ours to modify in
+    place (False: it holds some of the caller's gradients themselves)."""
+    g = _work(grads, acc)
+    owned = g is not grads and all(a is not b for a, b in zip(g, grads, strict=True))
+    if sign != 1.0:
+        if owned:
+            torch._foreach_mul_(g, sign)
+        else:
+            g, owned = list(torch._foreach_mul(g, sign)), True
     if gmul is not None:
-        out = out * gmul.to(device=out.device, dtype=out.dtype)
-    return out
+        by: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        for t in g:
+            if (t.device, t.dtype) not in by:
+                by[(t.device, t.dtype)] = gmul.to(device=t.device, dtype=t.dtype)
+        if len(by) == 1:
+            ((_, m),) = by.items()
+            if owned:
+                torch._foreach_mul_(g, m)
+            else:
+                g, owned = list(torch._foreach_mul(g, m)), True
+        else:
+            g, owned = [t * by[(t.device, t.dtype)] for t in g], True
+    return g, owned
 
 
-def _weight(p: Tensor, master: Tensor | None) -> Tensor:
-    return _acc(master if master is not None else p)
+def _add_scaled(g: list[Tensor], owned: bool, x: list[Tensor], alpha: float) -> list[Tensor]:
+    """``g + alpha · x`` (in place when `owned`)."""
+    if owned:
+        torch._foreach_add_(g, x, alpha=alpha)
+        return g
+    return list(torch._foreach_add(g, x, alpha=alpha))
 
 
-def _store_weight(p: Tensor, master: Tensor | None, w: Tensor) -> None:
-    if master is not None:
-        master.copy_(w)
-    p.copy_(w)
-
-
-def _one_minus(b: float) -> float:
-    return float(np.float32(1.0) - np.float32(b))
+def _ema_(m: list[Tensor], g: list[Tensor], b: float) -> None:
+    """``m += (1-b)(g - m)``. lerp evaluates this formula for weights below 0.5 but ``g - (g - m) b``
+    above, so larger weights take two ops that keep the kernels' formula."""
+    w = 1.0 - b
+    if w < 0.5:
+        torch._foreach_lerp_(m, g, w)
+    else:
+        torch._foreach_add_(m, torch._foreach_sub(g, m), alpha=w)
 
 
 def adam(
@@ -68,35 +156,39 @@ def adam(
     decoupled: bool,
     gmul: Tensor | None = None,
 ) -> None:
-    """Adam / AdamW: ``m += (1-b1)(g-m); v = b2 v + (1-b2) g²; p -= lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)``."""
-    b1, b2, e, wd = f32(beta1), f32(beta2), f32(eps), f32(weight_decay)
-    lr = f32(lr)
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        master = masters[i] if masters is not None else None
-        w = _weight(p, master)
-        g = _grad(grads[i], -1.0 if maximize else 1.0, gmul)
-        t = float(steps[i])
-        if decoupled:
-            w = w * float(np.float32(1.0 - lr * wd))
-        else:
-            g = g + wd * w
-        m = _acc(exp_avgs[i])
-        m = m + _one_minus(b1) * (g - m)
-        v = b2 * _acc(exp_avg_sqs[i]) + _one_minus(b2) * g * g
-        vk = v
-        if max_exp_avg_sqs is not None:
-            vmax = torch.maximum(_acc(max_exp_avg_sqs[i]), v)
-            max_exp_avg_sqs[i].copy_(vmax)
-            vk = vmax
-        step_size = f32(lr / (1.0 - b1**t))
-        bc2_sqrt = f32(math.sqrt(1.0 - b2**t))
-        denom = vk.sqrt() / bc2_sqrt + e
-        w = w - step_size * (m / denom)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
-        _store_weight(p, master, w)
+    """Adam / AdamW: ``m += (1-b1)(g-m); v = b2 v + (1-b2) g²; p -= lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)``
+    with ``g += wd p`` (Adam) or ``p *= 1 - lr wd`` first (AdamW: `decoupled`). Lists of float16,
+    bfloat16, float32 or float64 tensors; `steps`: each tensor's step number, this step counted."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = _nonempty(
+        [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters]
+    )
+    if not params:
+        return
+    b1, b2, e, wd, lr = f32(beta1), f32(beta2), f32(eps), f32(weight_decay), f32(lr)
+    acc = _acc(params)
+    w = _weights(params, masters, acc)
+    g, owned = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
+    if decoupled:
+        if wd != 0.0:
+            torch._foreach_mul_(w, 1.0 - lr * wd)
+    elif wd != 0.0:
+        g, owned = _add_scaled(g, owned, w, wd), True
+    m, v = _work(exp_avgs, acc), _work(exp_avg_sqs, acc)
+    _ema_(m, g, b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
+    vk = v
+    if max_exp_avg_sqs is not None:
+        vk = _work(max_exp_avg_sqs, acc)
+        torch._foreach_maximum_(vk, v)
+        _store(max_exp_avg_sqs, vk)
+    denom = torch._foreach_sqrt(vk)
+    torch._foreach_div_(denom, [math.sqrt(1.0 - b2**t) for t in steps])
+    torch._foreach_add_(denom, e)
+    torch._foreach_addcdiv_(w, m, denom, [-lr / (1.0 - b1**t) for t in steps])
+    _store(exp_avgs, m)
+    _store(exp_avg_sqs, v)
+    _store_weights(params, masters, w)
 
 
 def sgd(
@@ -114,21 +206,32 @@ def sgd(
     maximize: bool,
     gmul: Tensor | None = None,
 ) -> None:
-    """SGD: ``g += wd p; buf = g (first step) or momentum buf + (1-dampening) g; p -= lr (nesterov ? g + momentum buf : buf)``."""
+    """SGD: ``g += wd p; buf = g (first step) or momentum buf + (1-dampening) g; p -= lr (nesterov ? g + momentum buf : buf)``.
+    Lists of float16, bfloat16, float32 or float64 tensors; `first`: whether each buffer is new."""
+    params, grads, momentum_buffers, first, masters = _nonempty([params, grads, momentum_buffers, first, masters])
+    if not params:
+        return
     lr, mom, wd = f32(lr), f32(momentum), f32(weight_decay)
-    damp1 = _one_minus(dampening)
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        master = masters[i] if masters is not None else None
-        w = _weight(p, master)
-        g = _grad(grads[i], -1.0 if maximize else 1.0, gmul) + wd * w
-        if momentum_buffers is not None:
-            assert first is not None
-            b = g if first[i] else mom * _acc(momentum_buffers[i]) + damp1 * g
-            momentum_buffers[i].copy_(b)
-            g = g + mom * b if nesterov else b
-        _store_weight(p, master, w - lr * g)
+    acc = _acc(params)
+    w = _weights(params, masters, acc)
+    g, owned = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
+    if wd != 0.0:
+        g, owned = _add_scaled(g, owned, w, wd), True
+    if momentum_buffers is not None:
+        assert first is not None
+        b = _work(momentum_buffers, acc)
+        new = [i for i, f in enumerate(first) if f]
+        old = [i for i, f in enumerate(first) if not f] if new else list(range(len(b)))
+        if new:
+            torch._foreach_copy_([b[i] for i in new], [g[i] for i in new])
+        if old:
+            bo, go = ([b[i] for i in old], [g[i] for i in old]) if new else (b, g)
+            torch._foreach_mul_(bo, mom)
+            torch._foreach_add_(bo, go, alpha=1.0 - f32(dampening))
+        _store(momentum_buffers, b)
+        g = _add_scaled(g, owned, b, mom) if nesterov else b
+    torch._foreach_add_(w, g, alpha=-lr)
+    _store_weights(params, masters, w)
 
 
 def lion(
@@ -144,20 +247,26 @@ def lion(
     maximize: bool,
     gmul: Tensor | None = None,
 ) -> None:
-    """Lion: ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g); m = b2 m + (1-b2) g``."""
-    lr, b1, b2 = f32(lr), f32(beta1), f32(beta2)
-    decay = float(np.float32(1.0 - lr * f32(weight_decay)))
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        master = masters[i] if masters is not None else None
-        w = _weight(p, master)
-        g = _grad(grads[i], -1.0 if maximize else 1.0, gmul)
-        m = _acc(exp_avgs[i])
-        u = b1 * m + _one_minus(b1) * g
-        w = w * decay - lr * torch.sign(u)
-        exp_avgs[i].copy_(b2 * m + _one_minus(b2) * g)
-        _store_weight(p, master, w)
+    """Lion: ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g); m = b2 m + (1-b2) g``. Lists of float16,
+    bfloat16, float32 or float64 tensors."""
+    params, grads, exp_avgs, masters = _nonempty([params, grads, exp_avgs, masters])
+    if not params:
+        return
+    lr, b1, b2, wd = f32(lr), f32(beta1), f32(beta2), f32(weight_decay)
+    acc = _acc(params)
+    w = _weights(params, masters, acc)
+    g, _ = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
+    m = _work(exp_avgs, acc)
+    u = torch._foreach_mul(m, b1)
+    torch._foreach_add_(u, g, alpha=1.0 - b1)
+    torch._foreach_sign_(u)
+    if wd != 0.0:
+        torch._foreach_mul_(w, 1.0 - lr * wd)
+    torch._foreach_add_(w, u, alpha=-lr)
+    torch._foreach_mul_(m, b2)
+    torch._foreach_add_(m, g, alpha=1.0 - b2)
+    _store(exp_avgs, m)
+    _store_weights(params, masters, w)
 
 
 def adagrad(
@@ -174,18 +283,24 @@ def adagrad(
     maximize: bool,
     gmul: Tensor | None = None,
 ) -> None:
-    """Adagrad: ``g += wd p; sum += g²; p -= lr / (1 + (t-1) lr_decay) · g / (sqrt(sum) + eps)``."""
+    """Adagrad: ``g += wd p; sum += g²; p -= lr / (1 + (t-1) lr_decay) · g / (sqrt(sum) + eps)``. Lists
+    of float16, bfloat16, float32 or float64 tensors; `steps`: each tensor's step, this one counted."""
+    params, grads, state_sums, steps, masters = _nonempty([params, grads, state_sums, steps, masters])
+    if not params:
+        return
     lr, wd, e, decay = f32(lr), f32(weight_decay), f32(eps), f32(lr_decay)
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        master = masters[i] if masters is not None else None
-        w = _weight(p, master)
-        g = _grad(grads[i], -1.0 if maximize else 1.0, gmul) + wd * w
-        clr = f32(lr / (1.0 + (float(steps[i]) - 1.0) * decay))
-        s = _acc(state_sums[i]) + g * g
-        state_sums[i].copy_(s)
-        _store_weight(p, master, w - clr * (g / (s.sqrt() + e)))
+    acc = _acc(params)
+    w = _weights(params, masters, acc)
+    g, owned = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
+    if wd != 0.0:
+        g, owned = _add_scaled(g, owned, w, wd), True
+    s = _work(state_sums, acc)
+    torch._foreach_addcmul_(s, g, g)
+    std = torch._foreach_sqrt(s)
+    torch._foreach_add_(std, e)
+    torch._foreach_addcdiv_(w, g, std, [-lr / (1.0 + (float(t) - 1.0) * decay) for t in steps])
+    _store(state_sums, s)
+    _store_weights(params, masters, w)
 
 
 def lamb(
@@ -205,24 +320,41 @@ def lamb(
     maximize: bool,
     gmul: Tensor | None = None,
 ) -> None:
-    """LAMB: Adam's ``u = m̂ / (sqrt(v̂) + eps) + wd p``; ``p -= lr · (‖p‖ / ‖u‖) · u`` (ratio 1 if either norm is 0)."""
+    """LAMB: Adam's ``u = m̂ / (sqrt(v̂) + eps) + wd p``; ``p -= lr · (‖p‖ / ‖u‖) · u`` (ratio 1 if either
+    norm is 0). Norms in the accumulation dtype (the kernels sum squares in float32), the ratio
+    rounded to float32 (the kernels' ratio buffer). Lists of float16, bfloat16, float32 or float64
+    tensors; `steps`: each tensor's step, this one counted."""
+    params, grads, exp_avgs, exp_avg_sqs, steps, masters = _nonempty(
+        [params, grads, exp_avgs, exp_avg_sqs, steps, masters]
+    )
+    if not params:
+        return
     lr, b1, b2, e, wd = f32(lr), f32(beta1), f32(beta2), f32(eps), f32(weight_decay)
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        master = masters[i] if masters is not None else None
-        w = _weight(p, master)
-        g = _grad(grads[i], -1.0 if maximize else 1.0, gmul)
-        t = float(steps[i])
-        m = _acc(exp_avgs[i])
-        m = m + _one_minus(b1) * (g - m)
-        v = b2 * _acc(exp_avg_sqs[i]) + _one_minus(b2) * g * g
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
-        m, v = _acc(exp_avgs[i]), _acc(exp_avg_sqs[i])  # as stored: what the kernel's stage 2 reads
-        bc1 = f32(1.0 - b1**t) if bias_correction else 1.0
-        bc2 = f32(1.0 - b2**t) if bias_correction else 1.0
-        u = (m / bc1) / ((v / bc2).sqrt() + e) + wd * w
-        wn, un = float(w.double().norm()), float(u.double().norm())
-        r = f32(wn / un) if wn > 0 and un > 0 else 1.0
-        _store_weight(p, master, w - (lr * r) * u)
+    acc = _acc(params)
+    w = _weights(params, masters, acc)
+    g, _ = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
+    m, v = _work(exp_avgs, acc), _work(exp_avg_sqs, acc)
+    _ema_(m, g, b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
+    _store(exp_avgs, m)
+    _store(exp_avg_sqs, v)
+    # stage 2 of the kernels reads the moments as stored
+    m, v = _work(exp_avgs, acc), _work(exp_avg_sqs, acc)
+    if bias_correction:
+        u = torch._foreach_div(m, [1.0 - b1**t for t in steps])
+        d = torch._foreach_div(v, [1.0 - b2**t for t in steps])
+    else:
+        u, d = torch._foreach_mul(m, 1.0), torch._foreach_mul(v, 1.0)
+    torch._foreach_sqrt_(d)
+    torch._foreach_add_(d, e)
+    torch._foreach_div_(u, d)
+    if wd != 0.0:
+        torch._foreach_add_(u, w, alpha=wd)
+    wn = torch.stack(torch._foreach_norm(w)).double()
+    un = torch.stack(torch._foreach_norm(u)).double()
+    ratio = torch.where((wn > 0) & (un > 0), wn / un, 1.0).float()
+    coef = [lr * r for r in ratio.tolist()]  # lr · ratio, products of two float32 values
+    torch._foreach_mul_(u, coef)
+    torch._foreach_sub_(w, u)
+    _store_weights(params, masters, w)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import MultiTensorOptimizer, _Plan
@@ -27,6 +28,17 @@ class Adagrad(MultiTensorOptimizer):
     """
 
     _module = ADAGRAD
+    _rules: ClassVar[dict[str, chk.Rule]] = {
+        "lr": chk.LR,
+        "lr_decay": chk.NON_NEGATIVE,
+        "weight_decay": chk.NON_NEGATIVE,
+        "initial_accumulator_value": chk.NON_NEGATIVE,
+        "eps": chk.NON_NEGATIVE,
+        "foreach": chk.OPTIONAL_FLAG,
+        "maximize": chk.FLAG,
+        "differentiable": chk.FLAG,
+        "fused": chk.OPTIONAL_FLAG,
+    }
 
     def __init__(
         self,
@@ -46,18 +58,21 @@ class Adagrad(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not isinstance(lr, torch.Tensor) and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if lr_decay < 0.0:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if initial_accumulator_value < 0.0:
-            raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        self._check_args(
+            dict(
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                initial_accumulator_value=initial_accumulator_value,
+                eps=eps,
+                foreach=foreach,
+                maximize=maximize,
+                differentiable=differentiable,
+                fused=fused,
+            )
+        )
         if differentiable:
-            raise ValueError("cukit.optim does not support differentiable=True")
+            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
@@ -65,7 +80,7 @@ class Adagrad(MultiTensorOptimizer):
             weight_decay=weight_decay,
             initial_accumulator_value=initial_accumulator_value,
             foreach=foreach,
-            maximize=bool(maximize),
+            maximize=maximize,
             differentiable=False,
             fused=None,
         )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import MultiTensorOptimizer, _Plan
@@ -14,17 +15,6 @@ from cukit.optim._kernels import ADAM
 from cukit.interop import DTYPES
 
 __all__ = ["Adam", "AdamW"]
-
-
-def _check_common(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
-    if not isinstance(lr, torch.Tensor) and not float(lr) >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"Invalid betas: {betas} (two values in [0, 1))")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 def _ctype(name: str) -> str:
@@ -49,6 +39,19 @@ class Adam(MultiTensorOptimizer):
 
     _module = ADAM
     _decoupled = False
+    _rules: ClassVar[dict[str, chk.Rule]] = {
+        "lr": chk.LR,
+        "betas": chk.betas(),
+        "eps": chk.NON_NEGATIVE,
+        "weight_decay": chk.NON_NEGATIVE,
+        "amsgrad": chk.FLAG,
+        "maximize": chk.FLAG,
+        "foreach": chk.OPTIONAL_FLAG,
+        "capturable": chk.FLAG,
+        "differentiable": chk.FLAG,
+        "fused": chk.OPTIONAL_FLAG,
+        "decoupled_weight_decay": chk.OPTIONAL_FLAG,
+    }
 
     def __init__(
         self,
@@ -70,10 +73,24 @@ class Adam(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        _check_common(lr, betas, eps, weight_decay)
+        self._check_args(
+            dict(
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                amsgrad=amsgrad,
+                maximize=maximize,
+                foreach=foreach,
+                capturable=capturable,
+                differentiable=differentiable,
+                fused=fused,
+                decoupled_weight_decay=decoupled_weight_decay,
+            )
+        )
         if differentiable:
-            raise ValueError("cukit.optim does not support differentiable=True")
-        if decoupled_weight_decay is not None and bool(decoupled_weight_decay) != self._decoupled:
+            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
+        if decoupled_weight_decay is not None and decoupled_weight_decay != self._decoupled:
             raise ValueError(
                 f"{type(self).__name__} has decoupled_weight_decay={self._decoupled}; use "
                 f"cukit.optim.{'AdamW' if decoupled_weight_decay else 'Adam'}"
@@ -83,10 +100,10 @@ class Adam(MultiTensorOptimizer):
             betas=tuple(betas),
             eps=eps,
             weight_decay=weight_decay,
-            amsgrad=bool(amsgrad),
-            maximize=bool(maximize),
+            amsgrad=amsgrad,
+            maximize=maximize,
             foreach=foreach,
-            capturable=bool(capturable),
+            capturable=capturable,
             differentiable=False,
             fused=None,
             decoupled_weight_decay=self._decoupled,

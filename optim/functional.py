@@ -99,6 +99,8 @@ def _step(
     else:
         _CACHE.move_to_end(key)
     opt, leaves = entry
+    if not created:  # the constructor checked the first call's
+        opt._check_args(hyper)
     group = opt.param_groups[0]
     group.update(hyper)
     for i, p in enumerate(leaves):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import MultiTensorOptimizer, _Plan
@@ -27,6 +28,15 @@ class LAMB(MultiTensorOptimizer):
     """
 
     _module = LAMB_KERNELS
+    _rules: ClassVar[dict[str, chk.Rule]] = {
+        "lr": chk.LR,
+        "betas": chk.betas(),
+        "eps": chk.NON_NEGATIVE,
+        "weight_decay": chk.NON_NEGATIVE,
+        "bias_correction": chk.FLAG,
+        "maximize": chk.FLAG,
+        "capturable": chk.FLAG,
+    }
 
     def __init__(
         self,
@@ -44,20 +54,25 @@ class LAMB(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not isinstance(lr, torch.Tensor) and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-            raise ValueError(f"Invalid betas: {betas} (two values in [0, 1))")
-        if eps < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"Invalid eps ({eps}) or weight_decay ({weight_decay})")
+        self._check_args(
+            dict(
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                bias_correction=bias_correction,
+                maximize=maximize,
+                capturable=capturable,
+            )
+        )
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
             eps=eps,
             weight_decay=weight_decay,
-            bias_correction=bool(bias_correction),
-            maximize=bool(maximize),
-            capturable=bool(capturable),
+            bias_correction=bias_correction,
+            maximize=maximize,
+            capturable=capturable,
         )
         super().__init__(
             params,

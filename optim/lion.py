@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import MultiTensorOptimizer, _Plan
@@ -29,6 +30,12 @@ class Lion(MultiTensorOptimizer):
 
     _module = LION
     _has_step = False
+    _rules: ClassVar[dict[str, chk.Rule]] = {
+        "lr": chk.LR,
+        "betas": chk.betas(high_open=False),  # lion-pytorch allows 1
+        "weight_decay": chk.NON_NEGATIVE,
+        "maximize": chk.FLAG,
+    }
 
     def __init__(
         self,
@@ -43,13 +50,8 @@ class Lion(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not isinstance(lr, torch.Tensor) and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if len(betas) != 2 or not all(0.0 <= float(b) <= 1.0 for b in betas):
-            raise ValueError(f"Invalid betas: {betas} (two values in [0, 1])")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=bool(maximize))
+        self._check_args(dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(
             params,
             defaults,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
+from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import MultiTensorOptimizer, _Plan
@@ -29,6 +30,17 @@ class SGD(MultiTensorOptimizer):
 
     _module = SGD_KERNELS
     _has_step = False
+    _rules: ClassVar[dict[str, chk.Rule]] = {
+        "lr": chk.LR,
+        "momentum": chk.NON_NEGATIVE,
+        "dampening": chk.REAL,
+        "weight_decay": chk.number(tensor=True),
+        "nesterov": chk.FLAG,
+        "maximize": chk.FLAG,
+        "foreach": chk.OPTIONAL_FLAG,
+        "differentiable": chk.FLAG,
+        "fused": chk.OPTIONAL_FLAG,
+    }
 
     def __init__(
         self,
@@ -48,23 +60,28 @@ class SGD(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not isinstance(lr, torch.Tensor) and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        self._check_args(
+            dict(
+                lr=lr,
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=weight_decay,
+                nesterov=nesterov,
+                maximize=maximize,
+                foreach=foreach,
+                differentiable=differentiable,
+                fused=fused,
+            )
+        )
         if differentiable:
-            raise ValueError("cukit.optim does not support differentiable=True")
+            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
         defaults = dict(
             lr=lr,
             momentum=momentum,
             dampening=dampening,
             weight_decay=weight_decay,
-            nesterov=bool(nesterov),
-            maximize=bool(maximize),
+            nesterov=nesterov,
+            maximize=maximize,
             foreach=foreach,
             differentiable=False,
             fused=None,
@@ -77,6 +94,13 @@ class SGD(MultiTensorOptimizer):
             state_dtype=state_dtype,
             max_grad_norm=max_grad_norm,
         )
+
+    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
+        if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(
+                f"{owner}: nesterov=True needs momentum > 0 and dampening == 0 (Nesterov momentum); "
+                f"got momentum={group['momentum']!r}, dampening={group['dampening']!r}"
+            )
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -125,7 +149,7 @@ class SGD(MultiTensorOptimizer):
             plan.params,
             plan.grads,
             plan.states.get("momentum_buffer") if momentum else None,
-            [bool(x) for x in plan.scratch["fresh"]],
+            plan.scratch["first"],
             plan.masters,
             lr=float(group["lr"]),
             momentum=group["momentum"],

@@ -114,8 +114,12 @@ def reference_l2norm(tensors: Sequence[Tensor]) -> Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     dev = tensors[0].device
-    sq = [t.detach().to(torch.float64).pow(2).sum().to(dev) for t in tensors]
-    return torch.stack(sq).sum().sqrt().to(torch.float32)
+    with torch.no_grad():
+        # one foreach call, not a few ops per tensor (each op would release and retake the GIL)
+        per = torch._foreach_norm(list(tensors), 2, dtype=torch.float64)
+        if any(n.device != dev for n in per):
+            per = [n.to(dev) for n in per]
+        return torch.linalg.vector_norm(torch.stack(per)).to(torch.float32)
 
 
 def prepare_norm(tensors: Sequence[Tensor]) -> dict[str, Any]:

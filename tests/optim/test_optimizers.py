@@ -114,6 +114,59 @@ def test_parity_with_torch_for_loop(device: str, name: str, kwargs: dict[str, An
             )
 
 
+@pytest.mark.parametrize(
+    ("name", "kwargs"), TORCH_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(TORCH_CASES)]
+)
+def test_parity_with_torch_default(device: str, name: str, kwargs: dict[str, Any]) -> None:
+    """Against torch's default implementation (foreach on CPU and CUDA), what users compare with."""
+    base = make_params(device)
+    a, b = leaves(base), leaves(base)
+    ta = getattr(torch.optim, name)(groups_of(a), **kwargs)
+    cb = getattr(co, name)(groups_of(b), **kwargs)
+    drive([ta, cb], [a, b])
+    assert_params_close(a, b)
+
+
+STORAGE_CASES = [
+    ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
+    ("Adam", {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    ("SGD", {"lr": 0.05}),
+    ("Lion", {"lr": 0.01, "weight_decay": 0.1}),
+    ("Adagrad", {"lr": 0.05, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("name", "kwargs"), STORAGE_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(STORAGE_CASES)]
+)
+def test_16bit_storage_rounds_the_float32_step(name: str, kwargs: dict[str, Any], dtype: torch.dtype) -> None:
+    """16-bit params and state (no master weights) on the CPU path: every step is the float32 step
+    from the stored values, rounded once to storage (bit for bit), with a skipped gradient."""
+    base = make_params("cpu", (torch.float32,))
+    low = [p.to(dtype).requires_grad_() for p in base]
+    high = [p.detach().float().requires_grad_() for p in low]
+    olow, ohigh = getattr(co, name)(low, **kwargs), getattr(co, name)(high, **kwargs)
+    g = torch.Generator().manual_seed(4)
+    for s in range(7):
+        for i, (p, q) in enumerate(zip(low, high, strict=True)):
+            gi = None if (i == 0 and s == SKIP_STEP) else torch.randn(p.shape, generator=g).to(dtype)
+            p.grad, q.grad = gi, None if gi is None else gi.float()
+            with torch.no_grad():  # the float32 run starts each step from the stored values
+                q.copy_(p.float())
+                for k, v in olow.state[p].items():
+                    if k != "step":
+                        ohigh.state[q][k].copy_(v.float())
+        olow.step()
+        ohigh.step()
+        for p, q in zip(low, high, strict=True):
+            assert torch.equal(p.detach(), q.detach().to(dtype))
+            for k, v in olow.state[p].items():
+                assert v.dtype == (torch.float32 if k == "step" else dtype), k
+                assert torch.equal(v, ohigh.state[q][k].to(v.dtype)), k
+
+
 def test_parity_under_lr_scheduler(device: str) -> None:
     base = make_params(device)
     a, b = leaves(base), leaves(base)
@@ -380,7 +433,7 @@ def test_many_tensors(device: str) -> None:
 # ---------------------------------------------------------------------------- errors
 def test_bad_arguments_name_themselves() -> None:
     p = [torch.zeros(3, requires_grad=True)]
-    with pytest.raises(ValueError, match="learning rate"):
+    with pytest.raises(ValueError, match="AdamW: lr"):
         co.AdamW(p, lr=-1.0)
     with pytest.raises(ValueError, match="betas"):
         co.Adam(p, betas=(0.9, 1.5))
