@@ -51,10 +51,10 @@ EXAMPLES: dict[str, Example] = {
         needs=("torch", "sklearn"),
     ),
 }
-# The CUDA-only expectations: the CPU run prints "n/a" or leaves these parts out.
+# What the full-size GPU run must print where it differs from the CPU run's (default: the same).
 GPU_EXPECT: dict[str, tuple[str, ...]] = {
-    "numpy_cupy_arrays.py": ("cupy.ndarray", "cukit.to_torch(cupy array)"),
-    "sync_free_training.py": ("4 + CUDA graph (capture_step)",),
+    "numpy_cupy_arrays.py": ("cupy.ndarray", "within 1e-04: yes", "cukit.to_torch(cupy array)"),
+    "sync_free_training.py": ("syncs/step", "1 naive", "4 + CUDA graph (capture_step)"),
 }
 
 
@@ -62,7 +62,7 @@ def scripts() -> list[str]:
     return sorted(p.name for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
-def run(name: str, args: tuple[str, ...], timeout: int) -> str:
+def run(name: str, args: tuple[str, ...], timeout: int, expect: tuple[str, ...]) -> str:
     example = EXAMPLES[name]
     for module in example.needs:
         if importlib.util.find_spec(module) is None:
@@ -76,7 +76,7 @@ def run(name: str, args: tuple[str, ...], timeout: int) -> str:
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s:\n{e.stdout or ''}{e.stderr or ''}")
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-    for text in example.expect:
+    for text in expect:
         assert text in proc.stdout, f"{name}: {text!r} missing from the output:\n{proc.stdout}"
     return proc.stdout
 
@@ -95,7 +95,7 @@ def test_docstring_says_what_and_how(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_runs_small_on_the_cpu(name: str) -> None:
-    run(name, EXAMPLES[name].cpu_args, CPU_TIMEOUT_S)
+    run(name, EXAMPLES[name].cpu_args, CPU_TIMEOUT_S, EXAMPLES[name].expect)
 
 
 @pytest.mark.gpu
@@ -104,9 +104,9 @@ def test_example_runs_full_size_on_the_gpu(name: str) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
-    out = run(name, EXAMPLES[name].gpu_args, GPU_TIMEOUT_S)
-    for text in GPU_EXPECT.get(name, ()):
-        assert text in out, f"{name}: {text!r} missing from the GPU output:\n{out}"
+    # the GPU run prints its own lines (the CPU-only run's "no torch imported" check, for one, is
+    # not made where torch provides the zero-copy views)
+    run(name, EXAMPLES[name].gpu_args, GPU_TIMEOUT_S, GPU_EXPECT.get(name, EXAMPLES[name].expect))
 
 
 def test_device_cuda_without_a_gpu_is_a_usage_error() -> None:
