@@ -60,12 +60,14 @@ _len_dispatch_stack = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
+_is_tracing = torch._C._is_tracing  # torch.jit.is_tracing without its Python frame (eager only: dynamo
+# never reaches it, _is_compiling answers first)
 
 
 def eager_path(*tensors: torch.Tensor | None) -> int:
     """Which path a call takes (see the module docstring): DIRECT, FUNCTION, FUNCTORCH or
     DISPATCH. The first tensor must not be None."""
-    if _is_compiling() or _len_dispatch_stack() or torch.jit.is_tracing():
+    if _is_compiling() or _len_dispatch_stack() or _is_tracing():
         return DISPATCH
     functorch = _functorch_active()
     grad = _is_grad_enabled()

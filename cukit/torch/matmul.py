@@ -25,7 +25,7 @@ import torch
 
 from cukit.ops import matmul as _op
 from cukit.ops.bias_act import ACTIVATIONS, activation_id
-from cukit.torch._register import DIRECT, DISPATCH, TorchOp, autocast_lower, eager_path
+from cukit.torch._register import DIRECT, DISPATCH, FUNCTION, TorchOp, autocast_lower, eager_path
 from cukit.torch.bias_act import bias_act_backward
 
 __all__ = ["linear", "matmul"]
@@ -174,6 +174,23 @@ def matmul(
     a: torch.Tensor, b: torch.Tensor, *, precision: str | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """a @ b for torch tensors, differentiable; see ``cukit.matmul``."""
+    if (
+        out is None
+        and not a.is_cuda
+        and a.dtype is b.dtype
+        and a.dtype in _FLOAT
+        and (precision is None or precision in _op.PRECISIONS)
+        and eager_path(a, b) in (DIRECT, FUNCTION)  # plain tensors; no compile, tracing, functorch
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        # plain CPU tensors: the reference is torch.matmul itself, autograd included (its formulas
+        # are the ones cukit's would run on the CPU); its errors are renamed for cukit.matmul
+        try:
+            return torch.matmul(a, b)
+        except RuntimeError:
+            _op._validate_pair(a, b)
+            _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+            raise
     if not isinstance(b, torch.Tensor):
         _op._validate_pair(a, b)  # a clear TypeError for mixed array types
     path = eager_path(a, b)
