@@ -123,6 +123,23 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         chk.check(owner, self._rules, values, where)
         self._check_combination(values, f"{owner} ({where})" if where else owner)
 
+    def _defaults(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The param-group defaults from the constructor's arguments, checked first
+        (:meth:`_check_args`): betas as a tuple; ``differentiable`` refused when True and stored
+        False, ``fused`` stored None (cukit's engine runs whatever was asked: torch's flags are
+        accepted for drop-in use)."""
+        self._check_args(values)
+        if values.get("differentiable"):
+            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
+        out = dict(values)
+        if "betas" in out:
+            out["betas"] = tuple(out["betas"])
+        if "differentiable" in out:
+            out["differentiable"] = False
+        if "fused" in out:
+            out["fused"] = None
+        return out
+
     def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
         """Checks that involve several hyperparameters of one group (e.g. SGD's nesterov)."""
 

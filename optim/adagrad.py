@@ -58,7 +58,7 @@ class Adagrad(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        self._check_args(
+        defaults = self._defaults(
             dict(
                 lr=lr,
                 lr_decay=lr_decay,
@@ -70,19 +70,6 @@ class Adagrad(MultiTensorOptimizer):
                 differentiable=differentiable,
                 fused=fused,
             )
-        )
-        if differentiable:
-            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
-        defaults = dict(
-            lr=lr,
-            lr_decay=lr_decay,
-            eps=eps,
-            weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value,
-            foreach=foreach,
-            maximize=maximize,
-            differentiable=False,
-            fused=None,
         )
         super().__init__(
             params,

@@ -73,7 +73,7 @@ class Adam(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        self._check_args(
+        defaults = self._defaults(
             dict(
                 lr=lr,
                 betas=betas,
@@ -88,26 +88,12 @@ class Adam(MultiTensorOptimizer):
                 decoupled_weight_decay=decoupled_weight_decay,
             )
         )
-        if differentiable:
-            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
         if decoupled_weight_decay is not None and decoupled_weight_decay != self._decoupled:
             raise ValueError(
                 f"{type(self).__name__} has decoupled_weight_decay={self._decoupled}; use "
                 f"cukit.optim.{'AdamW' if decoupled_weight_decay else 'Adam'}"
             )
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            foreach=foreach,
-            capturable=capturable,
-            differentiable=False,
-            fused=None,
-            decoupled_weight_decay=self._decoupled,
-        )
+        defaults["decoupled_weight_decay"] = self._decoupled
         super().__init__(
             params,
             defaults,

@@ -54,7 +54,7 @@ class LAMB(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        self._check_args(
+        defaults = self._defaults(
             dict(
                 lr=lr,
                 betas=betas,
@@ -64,15 +64,6 @@ class LAMB(MultiTensorOptimizer):
                 maximize=maximize,
                 capturable=capturable,
             )
-        )
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            maximize=maximize,
-            capturable=capturable,
         )
         super().__init__(
             params,

@@ -50,8 +50,7 @@ class Lion(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        self._check_args(dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        defaults = self._defaults(dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
         super().__init__(
             params,
             defaults,

@@ -60,7 +60,7 @@ class SGD(MultiTensorOptimizer):
         state_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        self._check_args(
+        defaults = self._defaults(
             dict(
                 lr=lr,
                 momentum=momentum,
@@ -72,19 +72,6 @@ class SGD(MultiTensorOptimizer):
                 differentiable=differentiable,
                 fused=fused,
             )
-        )
-        if differentiable:
-            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported by cukit.optim")
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-            foreach=foreach,
-            differentiable=False,
-            fused=None,
         )
         super().__init__(
             params,
