@@ -805,16 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns 0 when the run completed (failed cases are reported, not fatal)."""
     args = parse_args(argv)
     cfg = config_from_args(args)
-    if cfg.device.startswith("cuda") and not harness.cuda_available():
-        print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
-        return 2
-    try:
-        cfg = harness.with_results_dir(cfg, NAME)
-    except ValueError as e:
-        print(f"{NAME}: {e}", file=sys.stderr)
-        return 2
-    run(cfg)
-    return 0
+    return harness.main_run(NAME, cfg, run)
 
 
 if __name__ == "__main__":

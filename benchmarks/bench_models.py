@@ -827,17 +827,7 @@ def run(cfg: Config) -> Bench:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 when the run completed (failed cases are reported, not fatal)."""
     cfg = config_from_args(parse_args(argv))
-    if cfg.device.startswith("cuda") and not harness.cuda_available():
-        print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
-        return 2
-    try:
-        cfg = harness.with_results_dir(cfg, NAME)
-    except ValueError as e:
-        print(f"{NAME}: {e}", file=sys.stderr)
-        return 2
-    with harness.one_cpu_thread(cfg.device):
-        run(cfg)
-    return 0
+    return harness.main_run(NAME, cfg, run)
 
 
 if __name__ == "__main__":

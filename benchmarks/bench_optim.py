@@ -337,16 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = replace(cfg, device="cpu", flush_l2=False, dry_run=True, host_iters=2, budget_s=0.0)
     if args.budget_s is not None:
         cfg = replace(cfg, budget_s=args.budget_s)
-    if cfg.device.startswith("cuda") and not harness.cuda_available():
-        print(f"{NAME}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
-        return 2
-    try:
-        cfg = harness.with_results_dir(cfg, NAME)
-    except ValueError as e:
-        print(f"{NAME}: {e}", file=sys.stderr)
-        return 2
-    run(cfg)
-    return 0
+    return harness.main_run(NAME, cfg, run)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ __all__ = [
     "format_value",
     "host_cost_us",
     "is_fatal_cuda_error",
+    "main_run",
     "one_cpu_thread",
     "plot",
     "poison_allocator",
@@ -717,6 +718,24 @@ def results_dir(out: str | os.PathLike[str] | None, name: str, *, dry_run: bool 
         raise ValueError(f"--dry-run never writes into {RESULTS_DIR} (the committed results; dry-run numbers "
                          f"mean nothing): drop --out for a temporary folder or name another; got --out {out}")
     return str(out)
+
+
+def main_run(name: str, cfg: Any, run: Callable[[Any], Any]) -> int:
+    """Every bench's CLI tail: 2 (and why, on stderr) when the config asks for CUDA that torch
+    does not see or names a results folder it may not write; else ``run(cfg)`` with the results
+    folder resolved (:func:`with_results_dir`), on one CPU thread for CPU runs
+    (:func:`one_cpu_thread`), and 0 (failed cases are reported by the run, not fatal)."""
+    if cfg.device.startswith("cuda") and not cuda_available():
+        print(f"{name}: torch sees no CUDA device; use --dry-run for the CPU smoke mode", file=sys.stderr)
+        return 2
+    try:
+        cfg = with_results_dir(cfg, name)
+    except ValueError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    with one_cpu_thread(cfg.device):
+        run(cfg)
+    return 0
 
 
 def with_results_dir(cfg: Any, name: str) -> Any:
