@@ -49,9 +49,15 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tens
     try:
         return _op.reference_torch(a, b)
     except RuntimeError:
-        _op._validate_pair(a, b)
-        _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+        _refused(a, b)
         raise
+
+
+def _refused(a: torch.Tensor, b: torch.Tensor) -> None:
+    """cukit's checks, run once torch has refused a CPU product: the error then names
+    cukit.matmul and the argument (torch's own is raised where they pass)."""
+    _op._validate_pair(a, b)
+    _op.matmul_shape(tuple(a.shape), tuple(b.shape))
 
 
 def _matmul_fake(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
@@ -174,26 +180,25 @@ def matmul(
     a: torch.Tensor, b: torch.Tensor, *, precision: str | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """a @ b for torch tensors, differentiable; see ``cukit.matmul``."""
+    if not isinstance(b, torch.Tensor):
+        _op._validate_pair(a, b)  # a clear TypeError for mixed array types
+    path = eager_path(a, b)
     if (
-        out is None
+        path in (DIRECT, FUNCTION)  # plain tensors; no compile, tracing, functorch
+        and out is None
         and not a.is_cuda
         and a.dtype is b.dtype
         and a.dtype in _FLOAT
         and (precision is None or precision in _op.PRECISIONS)
-        and eager_path(a, b) in (DIRECT, FUNCTION)  # plain tensors; no compile, tracing, functorch
         and not torch.is_autocast_enabled("cpu")
     ):
         # plain CPU tensors: the reference is torch.matmul itself, autograd included (its formulas
-        # are the ones cukit's would run on the CPU); its errors are renamed for cukit.matmul
+        # are the ones cukit's would run on the CPU)
         try:
             return torch.matmul(a, b)
         except RuntimeError:
-            _op._validate_pair(a, b)
-            _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+            _refused(a, b)
             raise
-    if not isinstance(b, torch.Tensor):
-        _op._validate_pair(a, b)  # a clear TypeError for mixed array types
-    path = eager_path(a, b)
     if path == DISPATCH and out is None and a.dtype == b.dtype:
         return MATMUL(a, b, _prec(precision))
     cast = autocast_lower((a, b), "cuda" if a.is_cuda else "cpu")
