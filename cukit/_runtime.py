@@ -582,9 +582,9 @@ class Launch:
         fixed = self._fixed
         if fixed is not None and _get_device() == self.device:
             self._struct.pack_into(self._buf, self._base, *head)
-            if not self._cu(*fixed, stream.ptr, self._params, None):
-                return
-            self._launch(head, stream, retry=True)  # the launch failed: nothing was enqueued
+            rc = self._cu(*fixed, stream.ptr, self._params, None)
+            if rc:  # nothing was enqueued
+                self._recover(head, stream, rc)
         elif _get_device() == self.device:
             self._launch(head, stream)
         else:  # a kernel runs in its device's context: switch for tensors on another GPU
@@ -593,20 +593,26 @@ class Launch:
             with cupy.cuda.Device(self.device):
                 self._launch(head, stream)
 
-    def _launch(self, head: tuple[Any, ...], stream: Any, retry: bool = False) -> None:
+    def _launch(self, head: tuple[Any, ...], stream: Any) -> None:
         if self._cufn is None:
             if "b128" in self.head_kinds:
                 head = tuple(_bytes_to_arg(v) for v in head)
             self.fn(self.grid, self.block, head + self.tail, shared_mem=self.smem, stream=stream)
             return
-        rc = _CUDA_ERROR_INVALID_CONTEXT if retry else self._driver_launch(head, stream)
+        rc = self._driver_launch(head, stream)
+        if rc:
+            self._recover(head, stream, rc)
+
+    def _recover(self, head: tuple[Any, ...], stream: Any, rc: int) -> None:
+        """A driver launch that failed with `rc`: retried in the device's primary context when the
+        thread had none (a fresh thread), else relaunched through CuPy, which raises the error by
+        its name."""
         if rc == _CUDA_ERROR_INVALID_CONTEXT:
-            # a thread without a current CUDA context (a fresh thread): the device's primary one
             import cupy
 
             cupy.cuda.runtime.setDevice(self.device)
             rc = self._driver_launch(head, stream)
-        if rc:  # any other error: through CuPy, which raises it with its name
+        if rc:
             args = tuple(_bytes_to_arg(v) for v in head) + self.tail
             self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream)
 

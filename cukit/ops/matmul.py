@@ -57,7 +57,7 @@ from cukit.interop import (
     type_name,
 )
 from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
-from cukit.ops.bias_act import ACTIVATIONS, activation_id, as_bias
+from cukit.ops.bias_act import ACTIVATIONS, FLOAT_DTYPES, activation_id, as_bias
 from cukit.ops.bias_act import _torch_act as _bias_act_torch_act
 from cukit.ops.bias_act import reference_numpy as _bias_act_numpy
 from cukit.ops.bias_act import reference_torch as _bias_act_torch
@@ -83,7 +83,6 @@ __all__ = [
     "set_matmul_precision",
 ]
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PRECISIONS = ("ieee", "tf32")
 # Kernel family name -> module implementing supports(g) / launch(g, stream) (see _gemm.py).
 KERNEL_FAMILIES: dict[str, str] = {"simt": "cukit.ops.matmul_simt", "tc": "cukit.ops.matmul_tc"}

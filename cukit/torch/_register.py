@@ -41,6 +41,7 @@ import torch
 __all__ = [
     "DIRECT",
     "DISPATCH",
+    "FLOATS",
     "FUNCTION",
     "FUNCTORCH",
     "TorchOp",
@@ -52,6 +53,8 @@ __all__ = [
 _LIB = torch.library.Library("cukit", "FRAGMENT")  # the autocast kernels live here
 
 DIRECT, FUNCTION, FUNCTORCH, DISPATCH = 0, 1, 2, 3
+# The float dtypes cukit's kernels take (cukit.ops' FLOAT_DTYPES), as torch dtypes.
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _AUTOCAST_CUDA, _AUTOCAST_CPU = torch._C.DispatchKey.AutocastCUDA, torch._C.DispatchKey.AutocastCPU
 _AUTOGRAD = (torch._C.DispatchKey.AutogradCUDA, torch._C.DispatchKey.AutogradCPU)
 
@@ -220,24 +223,23 @@ class TorchOp:
         overload = self.op._opoverload
         backends = (torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU)
 
-        def direct(keyset: Any, args: tuple[Any, ...]) -> bool:
+        def direct(keyset: Any, args: Sequence[Any]) -> bool:
             """Whether a call may go straight to `impl`: no graph to record, only a backend below."""
             return not (_is_grad_enabled() and any_requires_grad(*args)) and (
                 (keyset & after).highestPriorityTypeId() in backends
             )
 
+        def kernel(keyset: Any, *args: Any) -> Any:
+            if _is_grad_enabled() and any_requires_grad(*args):
+                return generated(keyset, *args)
+            rest = keyset & after
+            if rest.highestPriorityTypeId() in backends:
+                return impl(*args)
+            with below():
+                return overload.redispatch(rest, *args)
+
         self._direct = direct
-        for device_type, backend in (("CUDA", backends[0]), ("CPU", backends[1])):
-
-            def kernel(keyset: Any, *args: Any, _backend: Any = backend) -> Any:
-                if _is_grad_enabled() and any_requires_grad(*args):
-                    return generated(keyset, *args)
-                rest = keyset & after
-                if rest.highestPriorityTypeId() == _backend:
-                    return impl(*args)
-                with below():
-                    return overload.redispatch(rest, *args)
-
+        for device_type in ("CUDA", "CPU"):
             _LIB.impl(self.name, kernel, "Autograd" + device_type, with_keyset=True)
 
     def _register_autocast(self, rule: Callable[..., Any]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from cukit.ops import bias_act as _op
-from cukit.torch._register import DIRECT, DISPATCH, TorchOp, autocast_promote, eager_path
+from cukit.torch._register import DIRECT, DISPATCH, FLOATS, TorchOp, autocast_promote, eager_path
 
 __all__ = ["bias_act", "bias_act_backward"]
 
@@ -36,7 +36,7 @@ def _bias_act_impl(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torc
     # dtype, a known activation) are cheap; the rest only when torch refuses
     if not (
         x.dtype is bias.dtype
-        and x.dtype in _FLOAT
+        and x.dtype in FLOATS
         and bias.ndim == 1
         and x.ndim >= 1
         and bias.shape[0] == x.shape[-1]
@@ -49,8 +49,6 @@ def _bias_act_impl(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torc
         _op.validate(x, bias, activation)
         raise
 
-
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _bias_act_fake(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:

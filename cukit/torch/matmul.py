@@ -25,7 +25,7 @@ import torch
 
 from cukit.ops import matmul as _op
 from cukit.ops.bias_act import ACTIVATIONS, activation_id
-from cukit.torch._register import DIRECT, DISPATCH, FUNCTION, TorchOp, autocast_lower, eager_path
+from cukit.torch._register import DIRECT, DISPATCH, FLOATS, FUNCTION, TorchOp, autocast_lower, eager_path
 from cukit.torch.bias_act import bias_act_backward
 
 __all__ = ["linear", "matmul"]
@@ -188,7 +188,7 @@ def matmul(
         and out is None
         and not a.is_cuda
         and a.dtype is b.dtype
-        and a.dtype in _FLOAT
+        and a.dtype in FLOATS
         and (precision is None or precision in _op.PRECISIONS)
         and not torch.is_autocast_enabled("cpu")
     ):
@@ -205,14 +205,12 @@ def matmul(
     if cast is not None:
         a, b = cast  # type: ignore[assignment]
     prec = _prec(precision)
-    if a.dtype != b.dtype or out is not None or a.dtype not in _FLOAT:
+    if a.dtype != b.dtype or out is not None or a.dtype not in FLOATS:
         return _matmul_general(a, b, prec, out, path)
     if path == DIRECT:
         return _matmul_impl(a, b, prec)
     return MATMUL.graph_call(path, a, b, prec)
 
-
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _matmul_general(a: torch.Tensor, b: torch.Tensor, prec: str, out: torch.Tensor | None, path: int) -> torch.Tensor:
