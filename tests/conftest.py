@@ -45,3 +45,19 @@ def torch_cuda() -> bool:
     except ImportError:
         return False
     return GPU and torch.cuda.is_available()
+
+
+@pytest.fixture(params=["inductor", "kernels"])
+def compile_policy(request: pytest.FixtureRequest):
+    """Run a torch.compile test under each compile policy (``cukit.torch.set_compile_policy``):
+    cukit ops traced as torch's ops, or kept as ``torch.ops.cukit`` custom ops."""
+    import torch
+
+    from cukit.torch import get_compile_policy, set_compile_policy
+
+    old = get_compile_policy()
+    set_compile_policy(request.param)
+    torch._dynamo.reset()
+    yield request.param
+    set_compile_policy(old)
+    torch._dynamo.reset()

@@ -153,7 +153,7 @@ def test_cpu_opcheck():
     torch.library.opcheck(torch.ops.cukit.bias_act_backward.default, (torch.randn(4, 6), x.detach(), b.detach(), "silu"))
 
 
-def test_cpu_torch_compile_fullgraph():
+def test_cpu_torch_compile_fullgraph(compile_policy: str):
     def f(x, b):
         return cukit.bias_act(x * 2, b, "silu").sum()
 
@@ -318,7 +318,7 @@ def test_gpu_opcheck(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph_inductor():
+def test_gpu_torch_compile_fullgraph_inductor(compile_policy: str):
     def f(x, b):
         h = cukit.bias_act(x @ x.T, b, "gelu")
         return (h * h).mean()

@@ -497,7 +497,7 @@ def test_cpu_opcheck():
     torch.library.opcheck(torch.ops.cukit.linear.default, (x, w, bias, "relu", "ieee"))
 
 
-def test_cpu_torch_compile_fullgraph():
+def test_cpu_torch_compile_fullgraph(compile_policy: str):
     def f(x, w, b, m):
         h = cukit.linear(x, w, b, "gelu")
         return cukit.matmul(h, m).square().sum()
@@ -881,7 +881,7 @@ def test_gpu_opcheck(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_torch_compile_inductor():
+def test_gpu_torch_compile_inductor(compile_policy: str):
     def f(x, w, b, m):
         h = cukit.linear(x, w, b, "silu")
         return (cukit.matmul(h, m) * 2).square().mean()

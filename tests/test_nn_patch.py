@@ -273,7 +273,7 @@ def test_rules_are_a_registry():
         del RULES["count_layernorms"]
 
 
-def test_torch_compile_of_a_patched_model():
+def test_torch_compile_of_a_patched_model(compile_policy: str):
     ref, ours = pair(Blocks)
     torch._dynamo.reset()
     check_same(ref, torch.compile(ours, backend="aot_eager", fullgraph=True), torch.randn(3, 8))

@@ -320,3 +320,60 @@ def test_plan_cache_validates_on_first_call_only_for_its_signature():
         cukit.linear(a, b.T.double())
     with pytest.raises(ValueError, match="mismatch in its core dimension"):
         cukit.matmul(a, a)
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile policy: what torch.compile traces for a cukit op
+# ---------------------------------------------------------------------------------------------
+
+
+def _traced_cukit_ops(fn, *args) -> tuple[list[str], torch.Tensor]:
+    """The torch.ops.cukit calls in the graphs dynamo hands to an aot_eager backend for fn(*args)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.compile(fn, backend=counter, fullgraph=True)(*args)
+    found = [str(n.target) for g in counter.graphs for n in g.graph.nodes if "cukit" in str(n.target)]
+    return found, out
+
+
+def _three_ops(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return cukit.linear(x, w, b, "gelu").sum() + cukit.matmul(x, w.t()).sum() + cukit.bias_act(x, b[:16], "silu").sum()
+
+
+def test_compile_policy_decides_what_is_traced(compile_policy: str):
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(32, 16, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    found, out = _traced_cukit_ops(_three_ops, x, w, b)
+    if compile_policy == "kernels":
+        assert found == ["cukit.linear.default", "cukit.matmul.default", "cukit.bias_act.default"]
+    else:
+        assert found == []  # torch's own ops: inductor fuses and launches them
+    out.backward()
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    ref = _three_ops(*ref_leaves)
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    for got, want in zip((x, w, b), ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_compile_policy_keeps_the_custom_op_where_torch_differs():
+    """A float32 product at a precision torch's ops would not use (tf32 while torch's setting is
+    IEEE) stays cukit's op under the inductor policy; a bad argument still gets cukit's error."""
+    from cukit.torch import get_compile_policy, set_compile_policy
+
+    assert get_compile_policy() == "inductor"
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    assert not torch.backends.cuda.matmul.allow_tf32
+    found, _ = _traced_cukit_ops(lambda a, b: cukit.matmul(a, b, precision="tf32"), a, b)
+    assert found == ["cukit.matmul.default"]
+    found, _ = _traced_cukit_ops(lambda a, b: cukit.matmul(a, b), a, b)
+    assert found == []
+    with pytest.raises(Exception, match="activation must be one of"):
+        _traced_cukit_ops(lambda a, b: cukit.linear(a, b.t(), None, "tanh"), a, b)
+    with pytest.raises(ValueError, match=r"cukit.torch.set_compile_policy: policy must be one of 'inductor', "
+                       r"'kernels'; got 'fast'"):
+        set_compile_policy("fast")

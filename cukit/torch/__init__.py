@@ -2,9 +2,13 @@
 CUDA graphs). Importing this package imports torch and registers every op under
 ``torch.ops.cukit``. The modules are named after the ops (``cukit.torch.bias_act``); the functions
 users call live at the top level (``cukit.bias_act``). Every op is registered through the one
-helper, ``cukit/torch/_register.py``."""
+helper, ``cukit/torch/_register.py``, which also owns the compile policy
+(:func:`set_compile_policy`: how cukit ops appear in ``torch.compile``'d code)."""
 
 from cukit.torch import (
     bias_act,  # noqa: F401  (registers torch.ops.cukit.bias_act*)
     matmul,  # noqa: F401  (registers torch.ops.cukit.matmul and cukit.linear)
 )
+from cukit.torch._register import get_compile_policy, set_compile_policy
+
+__all__ = ["get_compile_policy", "set_compile_policy"]

@@ -16,6 +16,16 @@ reference) and its formulas, and registers, once:
   functorch transforms (``torch.func.vmap`` / ``grad`` / ``jacrev``: per-sample gradients), which
   torch's custom ops do not support under ``grad``.
 
+Under ``torch.compile`` an op that has a ``compile_as`` form (the same maths in torch's own ops)
+is traced as that form while the compile policy is "inductor" (the default): inductor then
+generates the fused code itself (cuBLAS or its own GEMM templates with the bias and activation fused,
+one Triton kernel for an elementwise or reduction op) and calls it from its generated wrapper, where a
+custom op costs a Python kernel behind the dispatcher on every call. In a compiled model that host
+cost outweighs what cukit's kernel saves on the GPU for matmul, linear and elementwise ops
+(benchmarks/NOTES.md, "The compile policy"). Ops with no torch form that inductor could produce (a
+chunked fused loss) stay custom ops. :func:`set_compile_policy` ("kernels") keeps every cukit op as
+its custom op in compiled graphs.
+
 Each op's entry point (``cukit/torch/<op>.py``) then picks one of four paths per call:
 
 1. DIRECT launch: plain tensors, no autograd graph to record, nothing tracing (the hot path of
@@ -48,6 +58,8 @@ __all__ = [
     "autocast_lower",
     "autocast_promote",
     "eager_path",
+    "get_compile_policy",
+    "set_compile_policy",
 ]
 
 _LIB = torch.library.Library("cukit", "FRAGMENT")  # the autocast kernels live here
@@ -65,6 +77,33 @@ _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_tracing = torch._C._is_tracing  # torch.jit.is_tracing without its Python frame (eager only: dynamo
 # never reaches it, _is_compiling answers first)
+
+
+COMPILE_POLICIES = ("inductor", "kernels")
+_COMPILE_POLICY = "inductor"
+
+
+def set_compile_policy(policy: str) -> None:
+    """How cukit ops appear in ``torch.compile``'d code: "inductor" (default) traces every op that
+    has a form in torch's own ops as that form, so inductor fuses and launches it without a Python
+    call per op; "kernels" keeps each op as its ``torch.ops.cukit`` custom op (cukit's kernels run
+    inside the compiled graph). Ops without a torch form (fused losses) are custom ops either way.
+    Read when a function is traced (dynamo guards on it: changing it recompiles).
+
+    See also: ``torch.compiler.disable``, ``torch.library.custom_op``.
+    """
+    global _COMPILE_POLICY
+    if policy not in COMPILE_POLICIES:
+        raise ValueError(
+            f"cukit.torch.set_compile_policy: policy must be one of {', '.join(map(repr, COMPILE_POLICIES))}; "
+            f"got {policy!r}"
+        )
+    _COMPILE_POLICY = policy
+
+
+def get_compile_policy() -> str:
+    """The current compile policy: "inductor" or "kernels" (see :func:`set_compile_policy`)."""
+    return _COMPILE_POLICY
 
 
 def eager_path(*tensors: torch.Tensor | None) -> int:
@@ -139,6 +178,10 @@ class TorchOp:
             tensor arguments.
         vmap: a rule as ``torch.library.register_vmap`` takes it, or None (vmap then falls back
             to torch's per-sample loop, which custom ops do not support: an error).
+        compile_as: the op in torch's own ops (same arguments as `impl`), traced by
+            ``torch.compile`` instead of the custom op under the "inductor" compile policy; it may
+            return ``NotImplemented`` to keep the custom op for a call (semantics torch's ops do not
+            reproduce). None: always the custom op.
 
     See also: ``torch.library.custom_op``, ``torch.autograd.Function``.
     """
@@ -153,9 +196,11 @@ class TorchOp:
         backward: Callable[..., Any] | None = None,
         autocast: AutocastRule = None,
         vmap: Callable[..., Any] | None = None,
+        compile_as: Callable[..., Any] | None = None,
     ) -> None:
         self.name = name
         self.impl = impl
+        self.compile_as = compile_as
         self._direct: Callable[..., bool] | None = None  # set by _register_light_autograd
         self.op = torch.library.custom_op(f"cukit::{name}", impl, mutates_args=())
         # CUDA tensors reach `impl` straight from the dispatcher's CUDA key (what compiled graphs
@@ -275,8 +320,29 @@ class TorchOp:
             _LIB.impl(self.name, kernel, key, with_keyset=True)
 
     def __call__(self, *args: Any) -> Any:
-        """Call the registered op through the dispatcher (every path: autocast, autograd, vmap)."""
+        """Call the registered op through the dispatcher (every path: autocast, autograd, vmap);
+        while ``torch.compile`` traces under the "inductor" policy, the op's ``compile_as`` form."""
+        if self.compile_as is not None and _is_compiling() and _COMPILE_POLICY == "inductor":
+            out = self.compile_as(*self._autocast_args(args))
+            if out is not NotImplemented:
+                return out
         return self.op(*args)
+
+    def _autocast_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` with the op's autocast rule applied, as its Autocast kernel would (the compile_as
+        form is traced instead of the op, so the rule is applied here)."""
+        if self.autocast is None:
+            return args
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if not idx:
+            return args
+        cast = _RULES[self.autocast]([args[i] for i in idx], args[idx[0]].device.type)
+        if cast is None:
+            return args
+        out = list(args)
+        for i, t in zip(idx, cast, strict=True):
+            out[i] = t
+        return tuple(out)
 
     def graph_call(self, path: int, *args: Any) -> Any:
         """The op on the FUNCTION, FUNCTORCH or DISPATCH path (``eager_path``'s answer)."""
@@ -284,4 +350,4 @@ class TorchOp:
             return self._function_apply(*args)
         if path == FUNCTORCH:
             return self.FunctorchFunction.apply(*args)
-        return self.op(*args)
+        return self(*args)

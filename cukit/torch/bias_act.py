@@ -56,6 +56,13 @@ def _bias_act_fake(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torc
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _bias_act_compile_as(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
+    """The torch reference (one pointwise kernel once inductor fuses it): what torch.compile traces
+    for cukit::bias_act under the "inductor" compile policy."""
+    _op.validate(x, bias, activation)
+    return _op.reference_torch(x, bias, activation)
+
+
 def _bias_act_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
     x, bias, activation = inputs
     ctx.save_for_backward(x, bias)
@@ -88,6 +95,7 @@ BIAS_ACT = TorchOp(
     backward=_bias_act_bwd,
     autocast="promote",
     vmap=_bias_act_vmap,
+    compile_as=_bias_act_compile_as,
 )
 
 
@@ -131,6 +139,14 @@ def _bwd_fake(
         torch.empty(x.shape, dtype=x.dtype, device=x.device),
         torch.empty(bias.shape, dtype=bias.dtype, device=bias.device),
     )
+
+
+def _bwd_compile_as(
+    grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _op.validate(x, bias, activation, "cukit.bias_act_backward")
+    _op._check_grad("cukit.bias_act_backward", grad, x, "torch")
+    return _op.reference_backward_torch(grad, x, bias, activation)
 
 
 def _bwd_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
@@ -204,6 +220,7 @@ BIAS_ACT_BACKWARD = TorchOp(
     backward=_bwd_bwd,
     autocast="promote",
     vmap=_bwd_vmap,
+    compile_as=_bwd_compile_as,
 )
 
 

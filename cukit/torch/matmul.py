@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from cukit.ops import matmul as _op
-from cukit.ops.bias_act import ACTIVATIONS, activation_id
+from cukit.ops.bias_act import ACTIVATIONS, _torch_act, activation_id
 from cukit.torch._register import DIRECT, DISPATCH, FLOATS, FUNCTION, TorchOp, autocast_lower, eager_path
 from cukit.torch.bias_act import bias_act_backward
 
@@ -63,6 +63,23 @@ def _refused(a: torch.Tensor, b: torch.Tensor) -> None:
 def _matmul_fake(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     _, _, _, _, out_shape = _op.matmul_shape(tuple(a.shape), tuple(b.shape))
     return a.new_empty(out_shape)
+
+
+def _same_fp32_precision(t: torch.Tensor, precision: str) -> bool:
+    """Whether torch's ops multiply float32 `t` with cukit's `precision` (other dtypes: always).
+    dynamo traces the ``allow_tf32`` read and guards on it (``get_float32_matmul_precision`` it
+    cannot trace)."""
+    return t.dtype is not torch.float32 or torch.backends.cuda.matmul.allow_tf32 == (precision == "tf32")
+
+
+def _matmul_compile_as(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    """``torch.matmul``, what inductor compiles cukit::matmul as (the compile policy); float32 with a
+    precision other than torch's own setting keeps the custom op."""
+    if not _same_fp32_precision(a, precision):
+        return NotImplemented
+    _op._validate_pair(a, b)
+    _op.matmul_shape(tuple(a.shape), tuple(b.shape))
+    return _op.reference_torch(a, b)
 
 
 def _matmul_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
@@ -173,6 +190,7 @@ MATMUL = TorchOp(
     backward=_matmul_bwd,
     autocast="lower",
     vmap=_matmul_vmap,
+    compile_as=_matmul_compile_as,
 )
 
 
@@ -285,6 +303,19 @@ def _linear_fake(
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _linear_compile_as(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, precision: str
+) -> torch.Tensor:
+    """``act(F.linear(x, weight, bias))`` in torch's ops, what inductor compiles cukit::linear as
+    (the compile policy: it fuses the bias and activation into its GEMM's epilogue or one pointwise
+    kernel). Numerics are torch's: a 16-bit product is rounded before the activation."""
+    if not _same_fp32_precision(x, precision):
+        return NotImplemented
+    _op._validate_linear(x, weight, bias, activation)
+    z = torch.nn.functional.linear(x, weight, bias)
+    return z if activation is None else _torch_act(z, activation)
+
+
 def _linear_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
     x, weight, bias, activation, precision = inputs
     # relu's derivative comes from the output; the others recompute the pre-activation.
@@ -348,6 +379,7 @@ LINEAR = TorchOp(
     backward=_linear_bwd,
     autocast="lower",
     vmap=_linear_vmap,
+    compile_as=_linear_compile_as,
 )
 
 
