@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_matmul.py [--out DIR] [--quick] [--dry-run] [--budget-s S] [--modes M,...]
+    python benchmarks/bench_matmul.py [--out DIR] [--quick] [--dry-run] [--budget-s S] [--modes M,...] [--gemm]
 
 Modes (each compares cukit and cuBLAS at the same precision, in the same run, on the same inputs):
 
@@ -29,7 +29,11 @@ still has them):
    case (64 x 512^3);
 3. the linear case in float32 (IEEE);
 4. the readable v1 kernel (``matmul_v1``, through cukit/ops/matmul.py's private kernel hook) at
-   fp32 1024-4096: the progression from the first kernel to the tuned one.
+   fp32 1024-4096: the progression from the first kernel to the tuned one;
+5. with ``--gemm`` only: ``cukit.ops.matmul.gemm(a, b, c, beta=1)``, bf16 inputs accumulated into a
+   float32 C (the fused-loss ``dW += G^T X``: A a transposed view), against ``cukit.matmul`` and
+   cuBLAS on the same bf16 operands with a bf16 result (``vs_cukit``: the bf16-output path's ms
+   over gemm's; it writes 2x the bytes of C and reads C too).
 
 Validation before timing: each case draws fresh standard-normal inputs; every implementation runs
 once into an output poisoned with NaN (through torch's caching allocator) and must have no NaN/inf
@@ -103,6 +107,7 @@ TF32_MIN_ERR = 2e-5
 
 # Kernel families the private hook can force (cukit/ops/matmul.py).
 V1_KERNEL = "simt_v1"
+GEMM_IMPL = "cukit gemm fp32 +="  # cukit.ops.matmul.gemm(a, b, c_float32, beta=1)
 HOOK_NAMES = ("_matmul_gpu", "matmul_gpu", "_gpu_matmul", "_launch_matmul")
 
 
@@ -130,6 +135,9 @@ class Config:
     linear: Shape = (8192, 16384, 4096)  # (tokens, out features, in features): x (M, K), W (N, K)
     linear_modes: tuple[str, ...] = ("bf16", "fp32")
     v1_sizes: tuple[int, ...] = (1024, 2048, 4096)
+    # gemm into float32 (section 5, --gemm): (M, N, K) of dW (V, H) += G^T (V, T) X (T, H)
+    gemm: tuple[Shape, ...] = ()
+    gemm_shapes: tuple[Shape, ...] = ((4096, 4096, 4096), (4096, 1024, 4096), (8192, 768, 768))
     # the sizes the targets are stated for (scaled down in dry runs)
     target_fp32: int = 4096
     target_bf16: tuple[int, ...] = (4096, 8192)
@@ -169,6 +177,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg = replace(cfg, device=args.device, flush_l2=cuda)
         if cfg.dry_run and cuda:
             cfg = replace(cfg, v1_sizes=(33,))
+    if getattr(args, "gemm", False):
+        cfg = replace(cfg, gemm=((24, 16, 40),) if cfg.dry_run else cfg.gemm_shapes)
     if args.modes:
         wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())
         unknown = [m for m in wanted if m not in MODES]
@@ -187,8 +197,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 @dataclass(frozen=True)
 class Case:
-    """One problem: ``op`` "matmul" (C = A @ B, A (batch, M, K), B (batch, K, N)) or "linear"
-    (y = gelu(x @ W.T + b), x (M, K), W (N, K))."""
+    """One problem: ``op`` "matmul" (C = A @ B, A (batch, M, K), B (batch, K, N)), "linear"
+    (y = gelu(x @ W.T + b), x (M, K), W (N, K)) or "gemm" (C += A @ B, A (M, K) a transposed view,
+    C float32)."""
 
     op: str
     mode: str
@@ -256,6 +267,10 @@ def plan(cfg: Config) -> list[Case]:
     # 4. the v1 kernel, for the progression
     for n in cfg.v1_sizes:
         add(Case("matmul", "fp32", n, n, n, impls=(f"cukit {V1_KERNEL}", "cuBLAS")))
+    # 5. gemm accumulating into float32 (--gemm)
+    if "bf16" in modes:
+        for shape in cfg.gemm:
+            add(Case("gemm", "bf16", *shape, kind="accumulate", impls=(GEMM_IMPL, "cukit", "cuBLAS")))
     return cases
 
 
@@ -362,6 +377,14 @@ def make_matmul(impl: str, mode: Mode, a: Any, b: Any) -> Callable[[], Any]:
         hook = kernel_hook(impl.split(" ", 1)[1])
         return lambda: hook(a, b)
     raise ValueError(f"unknown matmul implementation {impl!r}")
+
+
+def make_gemm(a: Any, b: Any, c: Any) -> Callable[[], Any]:
+    """``c += a @ b`` by ``cukit.ops.matmul.gemm`` (c float32, a and b 16-bit); returns c. The
+    first call (validated) adds to zeros."""
+    from cukit.ops.matmul import gemm
+
+    return lambda: gemm(a, b, c, beta=1.0)
 
 
 def torch_linear_gelu(x: Any, w: Any, bias: Any) -> Any:
@@ -494,13 +517,21 @@ def run_case(b: Bench, case: Case) -> list[dict[str, Any]]:
     torch = _torch()
     ref_rows = reference_rows(case.M, b.cfg)
     try:
-        if case.op == "matmul":
+        if case.op == "gemm":  # A as G^T: a transposed view
+            a = b.randn((case.K, case.M), mode.dtype).t()
+            bb = b.randn((case.K, case.N), mode.dtype)
+            c = torch.zeros((case.M, case.N), dtype=torch.float32, device=b.cfg.device)
+            expected = reference_matmul(a, bb, ref_rows)
+            makers = {impl: (lambda impl=impl: make_gemm(a, bb, c) if impl == GEMM_IMPL else make_matmul(impl, mode, a, bb))
+                      for impl in case.impls}
+            out_shape: tuple[int, ...] = (case.M, case.N)
+        elif case.op == "matmul":
             lead = (case.batch,) if case.batch > 1 else ()
             a = b.randn((*lead, case.M, case.K), mode.dtype)
             bb = b.randn((*lead, case.K, case.N), mode.dtype)
             expected = reference_matmul(a, bb, ref_rows)
             makers = {impl: (lambda impl=impl: make_matmul(impl, mode, a, bb)) for impl in case.impls}
-            out_shape: tuple[int, ...] = (*lead, case.M, case.N)
+            out_shape = (*lead, case.M, case.N)
         else:
             x = b.randn((case.M, case.K), mode.dtype)
             w = b.randn((case.N, case.K), mode.dtype).mul_(case.K ** -0.5)  # unit-scale pre-activations
@@ -550,13 +581,14 @@ def run_case(b: Bench, case: Case) -> list[dict[str, Any]]:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    """vs_cublas (matmul) / vs_torch (linear): the baseline's ms over each row's ms."""
-    for base_impl, key in (("cuBLAS", "vs_cublas"), ("torch eager", "vs_torch")):
+    """vs_cublas (matmul, gemm) / vs_torch (linear) / vs_cukit (gemm against cukit's bf16-output
+    matmul): the baseline's ms over each row's ms."""
+    for base_impl, key in (("cuBLAS", "vs_cublas"), ("torch eager", "vs_torch"), ("cukit", "vs_cukit")):
         base = next((r.get("ms") for r in rows if r["impl"] == base_impl), None)
         if base is None:
             continue
         for r in rows:
-            if r.get("ms"):
+            if r.get("ms") and (key != "vs_cukit" or r["impl"] == GEMM_IMPL):
                 r[key] = base / r["ms"]
 
 
@@ -580,7 +612,8 @@ def _progress(case: Case, rows: Sequence[dict[str, Any]]) -> None:
 
 COLUMNS: list[str | tuple[str, str]] = [
     "op", "dtype", "precision", "M", "N", "K", "batch", "impl", ("ms", "ms (median)"), ("tflops", "TFLOP/s"),
-    ("vs_cublas", "vs cuBLAS"), ("vs_torch", "vs torch"), ("rel_err", "rel err"), ("error", "error"),
+    ("vs_cublas", "vs cuBLAS"), ("vs_torch", "vs torch"), ("vs_cukit", "vs cukit bf16"), ("rel_err", "rel err"),
+    ("error", "error"),
 ]
 _FMT = {"error": lambda v: "" if v is None else str(v)[:90]}
 _FMT_SHORT = {"error": lambda v: "" if v is None else str(v)[:60]}
@@ -636,7 +669,7 @@ def summary_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        if r.get("op") not in ("matmul", "linear"):
+        if r.get("op") not in ("matmul", "linear", "gemm"):
             continue
         k = (r["op"], r["mode"], r["M"], r["N"], r["K"], r["batch"])
         line = seen.get(k)
@@ -714,6 +747,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None,
                    help="torch device (default cuda; cpu with --dry-run; --dry-run --device cuda: tiny GPU run)")
     p.add_argument("--seed", type=int, default=0, help="torch random seed")
+    p.add_argument("--gemm", action="store_true",
+                   help="also time cukit.ops.matmul.gemm accumulating bf16 products into float32 (section 5)")
     return p.parse_args(argv)
 
 

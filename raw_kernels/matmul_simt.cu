@@ -1,8 +1,9 @@
 // matmul_simt.cu: SIMT (CUDA-core) matrix products for float32 and float64.
-// C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n]); the parameters and their meaning are
-// cukit/gemm.cuh's CUKIT_GEMM_PARAMS (host side: cukit/ops/_gemm.py's Gemm, launcher:
-// cukit/ops/matmul_simt.py). Each operand is addressed by element strides, one of which is 1;
-// C is contiguous. Every kernel handles any M, N, K (K == 0 gives C = act(bias)) and any batch:
+// C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n]) (EPI_STORE), or alpha (...) (+ beta
+// C[z, m, n]) (EPI_SCALE, EPI_ACCUMULATE); the parameters and their meaning are cukit/gemm.cuh's
+// CUKIT_GEMM_PARAMS (host side: cukit/ops/_gemm.py's Gemm, launcher: cukit/ops/matmul_simt.py).
+// Each operand is addressed by element strides, one of which is 1; C (in T) by its row stride ldc
+// and batch stride sc. Every kernel handles any M, N, K (K == 0 gives C = act(bias)) and any batch:
 // v1 loops over blockIdx.z (batches) and blockIdx.y (M-tiles) grid-stride; matmul_simt folds the
 // (batch, M-tile) pairs into blockIdx.y + gridDim.y * blockIdx.z. Neither grid dimension passes
 // 65535. Reads of A and B never leave [0, M) x [0, K) and [0, K) x [0, N).
@@ -25,8 +26,8 @@ using namespace cukit;
 // ---------------------------------------------------------------------------------------------
 constexpr int V1_TILE = 32;
 
-template <typename T, int ACT>
-__global__ void __launch_bounds__(V1_TILE * V1_TILE) matmul_v1(CUKIT_GEMM_PARAMS(T)) {
+template <typename T, int ACT, int EPI = EPI_STORE>
+__global__ void __launch_bounds__(V1_TILE * V1_TILE) matmul_v1(CUKIT_GEMM_PARAMS(T, T)) {
   using Acc = acc_t<T>;
   __shared__ Acc As[V1_TILE][V1_TILE + 1];  // As[m][k]; +1: the column reads of a transposed A
   __shared__ Acc Bs[V1_TILE][V1_TILE + 1];  // Bs[k][n]
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(V1_TILE * V1_TILE) matmul_v1(CUKIT_GEMM_PARAMS
   const long long m_tiles = (M + V1_TILE - 1) / V1_TILE;
   const long long n = static_cast<long long>(blockIdx.x) * V1_TILE + tx;
   for (long long z = blockIdx.z; z < batch; z += gridDim.z) {
-    const BatchOffsets off = batch_offset(z, M, N, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
+    const BatchOffsets off = batch_offset(z, sc, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
     const T* Az = A + off.a;
     const T* Bz = B + off.b;
     for (long long mt = blockIdx.y; mt < m_tiles; mt += gridDim.y) {
@@ -53,7 +54,9 @@ __global__ void __launch_bounds__(V1_TILE * V1_TILE) matmul_v1(CUKIT_GEMM_PARAMS
       }
       if (m < M && n < N) {
         const Acc b = bias ? to_acc<Acc>(bias[n]) : Acc(0);
-        C[off.c + m * N + n] = from_acc<T>(epilogue<ACT>(acc, b));
+        T* c = C + off.c + m * ldc + n;
+        const Acc old = EPI == EPI_ACCUMULATE ? to_acc<Acc>(*c) : Acc(0);
+        *c = from_acc<T>(epilogue_out<EPI, ACT>(acc, b, static_cast<Acc>(alpha), static_cast<Acc>(beta), old));
       }
     }
   }
@@ -195,10 +198,10 @@ template <typename T, int TM, int TN> __host__ __device__ constexpr int simt_min
 }
 
 // A_ROW: A[m, k] has unit stride along k (else along m). B_ROW: B[k, n] has unit stride along n
-// (else along k). ACT: -1 (none) or an activations.cuh id.
-template <typename T, int BM, int BN, int BK, int TM, int TN, bool A_ROW, bool B_ROW, int ACT>
+// (else along k). ACT: -1 (none) or an activations.cuh id. EPI: cukit/gemm.cuh's epilogue kind.
+template <typename T, int BM, int BN, int BK, int TM, int TN, bool A_ROW, bool B_ROW, int ACT, int EPI = EPI_STORE>
 __global__ void __launch_bounds__((BM / TM) * (BN / TN), simt_min_blocks<T, TM, TN>())
-    matmul_simt(CUKIT_GEMM_PARAMS(T)) {
+    matmul_simt(CUKIT_GEMM_PARAMS(T, T)) {
   static_assert(sizeof(acc_t<T>) == sizeof(T), "matmul_simt keeps operands in shared memory as acc_t");
   constexpr int G = 16 / static_cast<int>(sizeof(T));
   constexpr int TR = BM / TM, TC = BN / TN, THREADS = TR * TC;
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN), simt_min_blocks<T, TM, 
   const int k_tiles = static_cast<int>((K + BK - 1) / BK);
   const int k_full = static_cast<int>(K / BK);  // tiles entirely inside [0, K)
 
-  const BatchOffsets off = batch_offset(z, M, N, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
+  const BatchOffsets off = batch_offset(z, sc, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
   // A as (mn = m, k): KC when row-major. B as (mn = n, k): KC when column-major.
   TileLoader<T, BM, BK, LDA, A_ROW, THREADS> la(A + off.a, m0, M, sa_m, sa_k, tid);
   TileLoader<T, BN, BK, LDB, !B_ROW, THREADS> lb(B + off.b, n0, N, sb_n, sb_k, tid);
@@ -284,9 +287,11 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN), simt_min_blocks<T, TM, 
     __syncthreads();  // orders this tile's reads before the next stores into this buffer
   }
 
-  // Epilogue: act(acc + bias[n]), 16-byte stores where C's rows are aligned.
+  // Epilogue: act(acc + bias[n]) or the scaled forms (cukit/gemm.cuh's epilogue_out), 16-byte
+  // stores where C's rows are aligned; EPI_ACCUMULATE loads a row's C values before storing it.
   T* Cz = C + off.c;
-  const bool cvec = ((reinterpret_cast<unsigned long long>(Cz) & 15ull) == 0) && (N % G == 0);
+  const bool cvec = ((reinterpret_cast<unsigned long long>(Cz) & 15ull) == 0) && (N % G == 0) && (ldc % G == 0);
+  const T al = static_cast<T>(alpha), be = static_cast<T>(beta);
   T bv[TN];
 #pragma unroll
   for (int j = 0; j < TN; ++j) {
@@ -297,13 +302,29 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN), simt_min_blocks<T, TM, 
   for (int i = 0; i < TM; ++i) {
     const long long m = m0 + (i / G) * SM_ + tr * G + i % G;
     if (m >= M) continue;
-    T* crow = Cz + m * N;
+    T* crow = Cz + m * ldc;
+    Vec<T, G> old[GN];
+#pragma unroll
+    for (int h = 0; h < GN; ++h) {
+      const long long n = n0 + h * SN_ + tc * G;
+#pragma unroll
+      for (int j = 0; j < G; ++j) old[h].v[j] = T(0);
+      if constexpr (EPI == EPI_ACCUMULATE) {
+        if (cvec && n + G <= N) {
+          old[h] = load_vec<T, G>(crow + n);
+        } else {
+#pragma unroll
+          for (int j = 0; j < G; ++j)
+            if (n + j < N) old[h].v[j] = crow[n + j];
+        }
+      }
+    }
 #pragma unroll
     for (int h = 0; h < GN; ++h) {
       const long long n = n0 + h * SN_ + tc * G;
       Vec<T, G> o;
 #pragma unroll
-      for (int j = 0; j < G; ++j) o.v[j] = epilogue<ACT>(acc[i][h * G + j], bv[h * G + j]);
+      for (int j = 0; j < G; ++j) o.v[j] = epilogue_out<EPI, ACT>(acc[i][h * G + j], bv[h * G + j], al, be, old[h].v[j]);
       if (cvec && n + G <= N) {
         store_vec<T, G>(crow + n, o);
       } else {

@@ -6,11 +6,14 @@
 //                    only): 16-bit, any layout, 16-byte aligned rows, block tiles of 128 x 256
 //                    or 128 x 128 (see its section below).
 // Host side, variant choice and the Gemm contract: cukit/ops/matmul_tc.py and cukit/ops/_gemm.py.
+// PTX wrappers: cukit/ptx.cuh (sm_80) and cukit/sm90.cuh (wgmma, mbarrier, TMA).
 //
-//   C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n])
+//   C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n])                       (EPI_STORE)
+//   C[z, m, n] = alpha (sum_k A[z, m, k] B[z, k, n] + bias[n]) (+ beta C[z, m, n])  (cukit/gemm.cuh)
 //
 // T = __nv_bfloat16 / __half (mma m16n8k16, fp32 accumulation) or float (mma m16n8k8 tf32, each
-// operand rounded with cvt.rna.tf32.f32); C is written in T after the epilogue in fp32.
+// operand rounded with cvt.rna.tf32.f32); C (type TC: T, or float for 16-bit T with the scaled
+// epilogues; matmul_tc and matmul_tc_tma) is written after the epilogue in fp32, rows ldc apart.
 //
 // Block tile 128 x 256 x (128 bytes of K: 64 elements of 16 bits, 32 of fp32), 8 warps (2 x 4),
 // warp tile 64 x 64 (4 m16 x 8 n8 MMA tiles, 128 fp32 accumulators per thread).
@@ -39,15 +42,19 @@
 //            tile. Bytes past a row's end are never read (copy_chunk), so they arrive as zeros.
 // All handle any M, N, K (0 included: C = act(bias)), batches through blockIdx.z and 64-bit
 // batch offsets, and a fused bias + activation epilogue.
+//
+// Template defaults TC = T, EPI = EPI_STORE keep the matmul path's instantiations (and names)
+// as they were; the scaled ones add <..., TC, EPI> (cukit/ops/matmul_tc.py declares both).
 #include <cukit/gemm.cuh>
+#include <cukit/ptx.cuh>
+#include <cukit/sm90.cuh>
 #include <cukit/vec.cuh>
 
 using namespace cukit;
 
 namespace tc {
 
-using u32 = unsigned int;  // no <cstdint> under NVRTC
-using u64 = unsigned long long;
+using namespace cukit::ptx;
 
 constexpr int BM = 128;             // block tile rows (M)
 constexpr int BN = 256;             // block tile columns (N)
@@ -91,102 +98,8 @@ template <int R> __device__ __forceinline__ u32 chunk_off(int row, int c) {
   return static_cast<u32>(row * R + (c ^ swz(row))) * 16u;
 }
 
-// ------------------------------------------------------------------------------------ PTX
-__device__ __forceinline__ void cp_async16_full(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4_full(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void sts32(u32 addr, u32 v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ u32 lds32(u32 addr) {
-  u32 v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint4 lds128(u32 addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts128(u32 addr, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
 template <bool B> struct Fast {
   static constexpr bool value = B;
-};
-
-// Copy `bytes` (0, or a multiple of 2 up to N) of global memory at src into N bytes of shared
-// memory at dst, zero-filling the rest. Full chunks go by cp.async. A partial or empty chunk (a
-// row's end, a row past the operand) is loaded with plain 2-byte loads and stored zero-padded:
-// cp.async's src-size form would zero-fill as well, but it is issued as a full-width access
-// (compute-sanitizer reports it as an N-byte read past a small allocation's end), so it is not
-// used. Only edge tiles take this path.
-template <int N> __device__ __forceinline__ void copy_chunk(u32 dst, const char* src, int bytes) {
-  static_assert(N == 16 || N == 4, "chunks are 16 or 4 bytes");
-  if (bytes == N) {
-    if constexpr (N == 16) cp_async16_full(dst, src); else cp_async4_full(dst, src);
-    return;
-  }
-  u32 w[N / 4];
-#pragma unroll
-  for (int i = 0; i < N / 4; ++i) w[i] = 0u;
-  const unsigned short* h = reinterpret_cast<const unsigned short*>(src);
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    if (2 * i < bytes) w[i >> 1] |= static_cast<u32>(h[i]) << (16 * (i & 1));
-  }
-  if constexpr (N == 16) sts128(dst, make_uint4(w[0], w[1], w[2], w[3])); else sts32(dst, w[0]);
-}
-__device__ __forceinline__ u32 to_tf32(u32 x) {
-  u32 y;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(__uint_as_float(x)));
-  return y;
-}
-
-template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-};
-template <> struct Mma<__half> {
-  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-};
-template <> struct Mma<float> {
-  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
 };
 
 // ------------------------------------------------------------------------------------ operands
@@ -578,21 +491,29 @@ __device__ __forceinline__ void cp_async_wait_ring(int stages) {
   }
 }
 
-__device__ __forceinline__ u32 dynamic_smem_size() {
-  u32 v;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
-  return v;
+// Two adjacent elements of C at p (aligned to both): the scaled epilogues' fp32 pairs go out as one
+// 8-byte store (NVVM splits some Vec stores into 4-byte ones); the matmul path keeps its Vec store.
+template <int EPI, typename TC> __device__ __forceinline__ void store_pair(TC* p, TC v0, TC v1) {
+  if constexpr (EPI != EPI_STORE && sizeof(TC) == 4) {
+    stg64(p, make_uint2(__float_as_uint(v0), __float_as_uint(v1)));
+  } else {
+    Vec<TC, 2> v;
+    v.v[0] = v0;
+    v.v[1] = v1;
+    *reinterpret_cast<Vec<TC, 2>*>(p) = v;
+  }
 }
 
 }  // namespace tc
 
 // A_K: A is K-major (row-major, sa_k == 1) else M-major (sa_m == 1). B_K: B is K-major
 // (column-major, sb_k == 1) else N-major (sb_n == 1). VEC: see the file comment; the host picks
-// VEC = 1 only when all of A's and B's row starts are 16-byte aligned. Launch: 256 threads,
-// grid (tiles_m * tiles_n, 1, min(batch, 65535)), dynamic shared memory 3 or 4 * 48 KiB (VEC = 1)
-// or 2 * 48 KiB + 2 * staging (VEC = 0; see cukit/ops/matmul_tc.py).
-template <typename T, int ACT, int A_K, int B_K, int VEC>
-__global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
+// VEC = 1 only when all of A's and B's row starts are 16-byte aligned. TC, EPI: C's type and
+// the epilogue (cukit/gemm.cuh; the defaults are the matmul path). Launch: 256 threads, grid
+// (tiles_m * tiles_n, 1, min(batch, 65535)), dynamic shared memory 3 or 4 * 48 KiB (VEC = 1) or
+// 2 * 48 KiB + 2 * staging (VEC = 0; see cukit/ops/matmul_tc.py).
+template <typename T, int ACT, int A_K, int B_K, int VEC, typename TC = T, int EPI = EPI_STORE>
+__global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T, TC)) {
   using namespace tc;
   constexpr bool AK = A_K != 0, BKM = B_K != 0;
   using GA = Geo<T, AK, BM>;
@@ -625,7 +546,7 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
 
   const long long nbatch = nb0 * nb1 * nb2;
   for (long long z = blockIdx.z; z < nbatch; z += gridDim.z) {
-    const BatchOffsets off = batch_offset(z, M, N, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
+    const BatchOffsets off = batch_offset(z, sc, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
     const Operand opa{reinterpret_cast<const char*>(A + off.a), AK ? sa_m : sa_k, AK ? M : K, AK ? K : M, m0};
     const Operand opb{reinterpret_cast<const char*>(B + off.b), BKM ? sb_n : sb_k, BKM ? N : K, BKM ? K : N, n0};
 
@@ -759,11 +680,13 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
       cp_async_wait<0>();
     }
 
-    // Epilogue: act(acc + bias) in fp32, rounded once to T. Thread (g, t) of a warp holds rows
-    // g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile.
-    T* Cz = C + off.c;
+    // Epilogue in fp32 (cukit/gemm.cuh's epilogue_out), rounded once to TC. Thread (g, t) of a
+    // warp holds rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile; a
+    // quad's pairs are one 16-byte (16-bit C) or 32-byte (fp32 C) piece of a row.
+    TC* Cz = C + off.c;
     const int g = lane >> 2, t = lane & 3;
-    const bool pair = (N % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
+    const bool pair = (N % 2 == 0) && (ldc % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(TC)) == 0);
+    const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
     float bv[NI][2];
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni) {
@@ -777,18 +700,34 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
       for (int h = 0; h < 2; ++h) {
         const long long row = m0 + wm * WM + mi * 16 + g + 8 * h;
         if (row >= M) continue;
-        T* crow = Cz + row * N;
+        TC* crow = Cz + row * ldc;
+        // EPI_ACCUMULATE: the row's C values, all loaded before its first store (in flight together)
+        float old[NI][2];
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          old[ni][0] = old[ni][1] = 0.0f;
+          const long long col = n0 + wn * WN + ni * 8 + 2 * t;
+          if (EPI == EPI_ACCUMULATE && col < N) {
+            if (pair) {
+              const Vec<TC, 2> v = *reinterpret_cast<const Vec<TC, 2>*>(crow + col);
+              old[ni][0] = to_acc<float>(v.v[0]);
+              old[ni][1] = to_acc<float>(v.v[1]);
+            } else {
+              old[ni][0] = to_acc<float>(crow[col]);
+              if (col + 1 < N) old[ni][1] = to_acc<float>(crow[col + 1]);
+            }
+          }
+        }
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni) {
           const long long col = n0 + wn * WN + ni * 8 + 2 * t;
           if (col >= N) continue;
-          const T v0 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(acc[mi][ni][2 * h], bv[ni][0]));
-          const T v1 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(acc[mi][ni][2 * h + 1], bv[ni][1]));
+          const TC v0 = from_acc<TC>(epilogue_out<EPI, ACT, float, sizeof(TC) == 2>(acc[mi][ni][2 * h], bv[ni][0], al,
+                                                                                  be, old[ni][0]));
+          const TC v1 = from_acc<TC>(epilogue_out<EPI, ACT, float, sizeof(TC) == 2>(acc[mi][ni][2 * h + 1], bv[ni][1],
+                                                                                  al, be, old[ni][1]));
           if (pair) {  // col is even and col + 1 < N (N even)
-            Vec<T, 2> v;
-            v.v[0] = v0;
-            v.v[1] = v1;
-            *reinterpret_cast<Vec<T, 2>*>(crow + col) = v;
+            store_pair<EPI>(crow + col, v0, v1);
           } else {
             crow[col] = v0;
             if (col + 1 < N) crow[col + 1] = v1;
@@ -809,8 +748,8 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc(CUKIT_GEMM_PARAMS(T)) {
 // Compiled only with -arch=sm_90a (cukit/ops/matmul_tc.py's KERNELS_SM90A).
 // ============================================================================================
 namespace tcw {
-using tc::u32;
-using tc::u64;
+using namespace cukit::ptx;
+using namespace cukit::sm90;
 
 __device__ __forceinline__ u32 off128(int row, int c) { return static_cast<u32>(row * 128 + ((c ^ (row & 7)) << 4)); }
 
@@ -829,120 +768,29 @@ __device__ __forceinline__ void load_kmajor(u32 dst, const tc::Operand& op, int 
   const u32 d = dst + off128(row0, c);
   if (op.mn0 + ROWS <= op.O && static_cast<long long>(kt + 1) * BK <= op.I) {  // interior tile
 #pragma unroll
-    for (int it = 0; it < PER; ++it) tc::cp_async16_full(d + it * 32 * 128, src + it * step);
+    for (int it = 0; it < PER; ++it) ptx::cp_async16_full(d + it * 32 * 128, src + it * step);
   } else {
 #pragma unroll
     for (int it = 0; it < PER; ++it) {
       const bool ok = 32 * it < rows_left && vbytes > 0;
-      tc::copy_chunk<16>(d + it * 32 * 128, src + it * step, ok ? vbytes : 0);
+      ptx::copy_chunk<16>(d + it * 32 * 128, src + it * step, ok ? vbytes : 0);
     }
   }
 }
 
-__device__ __forceinline__ u64 desc128(u32 addr) {
-  // start address, leading byte offset 16 (unused with this swizzle), stride byte offset 1024
-  // (8 rows of 128 bytes), 128-byte swizzle
-  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(1) << 16) | (static_cast<u64>(1024 >> 4) << 32) |
-         (static_cast<u64>(1) << 62);
-}
-
-// wgmma.mma_async m64nNk16 (N = 256 or 128; fp32 accumulators d[N / 2] per thread of the
-// warpgroup: d[4 i + r] holds columns 8 i + 2 t (+1) of rows g (r < 2) and g + 8 (r >= 2) of its
-// warp's 16 rows), A and B from shared memory by descriptor; TA, TB: the transpose bits
-// (MN-major operand).
-template <typename T, int N = 256> struct Wgmma;
-template <> struct Wgmma<__nv_bfloat16, 256> {
-  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("{\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, %130, %131;\n"
-                 "}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
-#endif
-  }
-};
-template <> struct Wgmma<__half, 256> {
-  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("{\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, %130, %131;\n"
-                 "}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
-#endif
-  }
-};
-
-template <> struct Wgmma<__nv_bfloat16, 128> {
-  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[64], u64 da, u64 db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("{\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, %66, %67;\n"
-                 "}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
-#endif
-  }
-};
-template <> struct Wgmma<__half, 128> {
-  template <int TA, int TB> static __device__ __forceinline__ void run(float (&d)[64], u64 da, u64 db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("{\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, %66, %67;\n"
-                 "}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
-#endif
-  }
-};
-
-__device__ __forceinline__ void wg_fence() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wg_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N, int R> __device__ __forceinline__ void wg_wait(float (&d)[R]) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");  // accumulators are live here
-}
-template <int N, int R> __device__ __forceinline__ void wg_wait(float (&d0)[R], float (&d1)[R]) {
-  wg_wait<N>(d0);
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d1[i])::"memory");
-}
-__device__ __forceinline__ void fence_proxy_async() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-
 // Epilogue of a warpgroup's 64 x 256 accumulators (rows r0.., columns n0..) into C (row-major,
-// N columns) after bias + activation in fp32. Warp w of the warpgroup holds rows 16 (w % 4) + g
+// N columns, rows ldc apart) after bias + activation in fp32. Warp w of the warpgroup holds rows 16 (w % 4) + g
 // and + 8; d[4 i + r]: columns 8 i + 2 t (+1), rows g (r < 2) and g + 8 (r >= 2).
 template <typename T, int ACT>
 __device__ __forceinline__ void store_tile(const float (&d)[128], T* Cz, const T* bias, long long M, long long N,
-                                           long long r0, long long n0, int warp, int lane) {
+                                           long long ldc, long long r0, long long n0, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  const bool pair = (N % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
+  const bool pair = (N % 2 == 0) && (ldc % 2 == 0) && (reinterpret_cast<u64>(Cz) % (2 * sizeof(T)) == 0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const long long row = r0 + (warp & 3) * 16 + g + 8 * h;
     if (row >= M) continue;
-    T* crow = Cz + row * N;
+    T* crow = Cz + row * ldc;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const long long col = n0 + 8 * i + 2 * t;
@@ -967,10 +815,11 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], T* Cz, const T
 }  // namespace tcw
 
 // wgmma path: A K-major (sa_k == 1), B K-major (sb_k == 1). VEC = 1: every row start 16-byte
-// aligned; VEC = 0: any alignment. Launch: 256 threads, grid as matmul_tc, dynamic shared memory
-// 4 * 48 KiB + 1 KiB (VEC = 1) or 2 * 48 KiB + 2 * 54 KiB + 1 KiB (VEC = 0).
+// aligned; VEC = 0: any alignment. The matmul epilogue only (EPI_STORE, C in T: alpha and beta
+// are ignored). Launch: 256 threads, grid as matmul_tc, dynamic shared memory 4 * 48 KiB + 1 KiB
+// (VEC = 1) or 2 * 48 KiB + 2 * 54 KiB + 1 KiB (VEC = 0).
 template <typename T, int ACT, int VEC>
-__global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T)) {
+__global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T, T)) {
   using namespace tc;
   constexpr int BKE = KB / static_cast<int>(sizeof(T));
   constexpr int S = 4;
@@ -991,7 +840,7 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 
   const long long nbatch = nb0 * nb1 * nb2;
   for (long long z = blockIdx.z; z < nbatch; z += gridDim.z) {
-    const BatchOffsets off = batch_offset(z, M, N, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
+    const BatchOffsets off = batch_offset(z, sc, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2);
     const Operand opa{reinterpret_cast<const char*>(A + off.a), sa_m, M, K, m0};
     const Operand opb{reinterpret_cast<const char*>(B + off.b), sb_n, N, K, n0};
 
@@ -1009,7 +858,7 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
       }
       for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<S - 3>();
-        tcw::fence_proxy_async();  // the copies (generic proxy) before the wgmmas (async proxy) read them
+        sm90::fence_proxy_async();  // the copies (generic proxy) before the wgmmas (async proxy) read them
         __syncthreads();           // tile kt visible; every warpgroup's wgmmas of tile kt - 2 are complete
         if (kt + S - 2 < KT) {
           const u32 dst = smem + ((kt + S - 2) % S) * STAGE;
@@ -1018,11 +867,11 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
         }
         cp_async_commit();
         const u32 sa = smem + (kt % S) * STAGE + wg * 64 * 128, sb = smem + (kt % S) * STAGE + A_TILE;
-        tcw::wg_fence();
+        sm90::wg_fence();
   #pragma unroll
-        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::template run<0, 0>(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
-        tcw::wg_commit();
-        tcw::wg_wait<1>(d);
+        for (int j = 0; j < 4; ++j) sm90::Wgmma<T>::template run<0, 0>(d, sm90::desc128(sa + 32 * j), sm90::desc128(sb + 32 * j));
+        sm90::wg_commit();
+        sm90::wg_wait<1>(d);
       }
     } else {
       // Any alignment: tiles staged by cp.async two ahead and shifted into the 128-byte-swizzle
@@ -1052,7 +901,7 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
       for (int kt = 0; kt < KT; ++kt) {
         const int cur = kt & 1, nxt = cur ^ 1;
         cp_async_wait<0>();
-        tcw::fence_proxy_async();  // this thread's shifted stores before the wgmmas read them
+        sm90::fence_proxy_async();  // this thread's shifted stores before the wgmmas read them
         __syncthreads();  // tile kt shifted, tile kt + 1 staged; the wgmmas of tile kt - 1 complete
         if (kt + 2 < KT) {
           load_tile_staged<T, true, BM, 0, IA>(stg + cur * STG, opa, kt + 2, tid);
@@ -1060,22 +909,22 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
         }
         cp_async_commit();
         const u32 sa = smem + cur * STAGE + wg * 64 * 128, sb = smem + cur * STAGE + A_TILE;
-        tcw::wg_fence();
+        sm90::wg_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) tcw::Wgmma<T>::template run<0, 0>(d, tcw::desc128(sa + 32 * j), tcw::desc128(sb + 32 * j));
-        tcw::wg_commit();
+        for (int j = 0; j < 4; ++j) sm90::Wgmma<T>::template run<0, 0>(d, sm90::desc128(sa + 32 * j), sm90::desc128(sb + 32 * j));
+        sm90::wg_commit();
         if (kt + 1 < KT) {
           const u32 dst = smem + nxt * STAGE, src = stg + nxt * STG;
           shift_tile<T, true, BM, 0, GA::PER_THREAD, true>(dst, src, opa, kt + 1, tid);
           shift_tile<T, true, BN, 0, GB::PER_THREAD, true>(dst + A_TILE, src + GA::STAGING, opb, kt + 1, tid);
         }
-        tcw::wg_wait<0>(d);
+        sm90::wg_wait<0>(d);
       }
     }
-    tcw::wg_wait<0>(d);
+    sm90::wg_wait<0>(d);
     cp_async_wait<0>();
 
-    tcw::store_tile<T, ACT>(d, C + off.c, bias, M, N, m0 + wg * 64, n0, warp, lane);
+    tcw::store_tile<T, ACT>(d, C + off.c, bias, M, N, ldc, m0 + wg * 64, n0, warp, lane);
     __syncthreads();
   }
 }
@@ -1111,12 +960,8 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 // byte offset 1 KiB (next 8 k-rows); k16 step j: +2 KiB.
 // ============================================================================================
 namespace tma {
-using tc::u32;
-using tc::u64;
-
-struct __align__(64) Map {  // a CUtensorMap, opaque, passed by value (__grid_constant__)
-  u64 v[16];
-};
+using namespace cukit::ptx;
+using namespace cukit::sm90;
 
 constexpr int THREADS = 288;            // 2 consumer warpgroups + 1 producer warp
 constexpr int CONSUMER_WARPS = 8;       // each arrives on "empty" once per stage
@@ -1146,44 +991,8 @@ template <int BN> struct Cfg {
   static_assert(STAGE % ALIGN == 0 && A_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
 };
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Wait until the phase of parity `parity` has completed (a fresh barrier: parity 1 is done).
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load(u32 dst, const Map& map, int c0, int c1, int c2, u32 bar) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-#endif
-}
-
-// MN-major operand in 64-element blocks of 8 KiB: transpose bit set in the instruction.
-__device__ __forceinline__ u64 desc_mn(u32 addr) {
-  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(8192 >> 4) << 16) |
-         (static_cast<u64>(1024 >> 4) << 32) | (static_cast<u64>(1) << 62);
-}
 template <bool KMAJ> __device__ __forceinline__ u64 desc(u32 base, int j) {
-  return KMAJ ? tcw::desc128(base + 32 * j) : desc_mn(base + 2048 * j);
+  return KMAJ ? sm90::desc128(base + 32 * j) : desc_mn(base + 2048 * j);
 }
 
 // Tile t of the flattened (batch, tile) index, tiles of 128 x BN (tiles_n = ceil(N / BN)): grouped
@@ -1211,24 +1020,25 @@ template <typename T> __device__ __forceinline__ u32 bits16(T v) {
   return static_cast<u32>(*reinterpret_cast<const unsigned short*>(&v));
 }
 __device__ __forceinline__ void wg_bar(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+  bar_sync<128>(1 + wg);
 }
 
 // Ping-pong order: barrier 3 + wg is "warpgroup wg may start its next mainloop"; the other
 // warpgroup arrives on it once it has issued its own mainloop's last wgmmas (256 = both groups).
 __device__ __forceinline__ void order_wait(int wg) {
-  asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
+  bar_sync<256>(3 + wg);
 }
 __device__ __forceinline__ void order_signal(int other) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + other) : "memory");
+  bar_arrive<256>(3 + other);
 }
 
 template <typename T, int ACT, int BN>
 __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 stg, T* Cz, const T* bias,
-                                                  long long M, long long N, long long r0, long long n0, int wg,
-                                                  int warp, int lane) {
+                                                  long long M, long long N, long long ldc, long long r0,
+                                                  long long n0, int wg, int warp, int lane) {
+  static_assert(sizeof(T) == 2, "the matmul epilogue stages 16-bit C");
   const int g = lane >> 2, t = lane & 3, w = warp & 3;
-  const bool vec = (N % 8 == 0) && (reinterpret_cast<u64>(Cz) % 16 == 0);
+  const bool vec = (N % 8 == 0) && (ldc % 8 == 0) && (reinterpret_cast<u64>(Cz) % 16 == 0);
 #pragma unroll
   for (int half = 0; half < Cfg<BN>::HALVES; ++half) {
 #pragma unroll
@@ -1241,7 +1051,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
       for (int h = 0; h < 2; ++h) {
         const T v0 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(d[4 * ii + 2 * h], b0));
         const T v1 = from_acc<T>(epilogue<ACT, float, sizeof(T) == 2>(d[4 * ii + 2 * h + 1], b1));
-        tc::sts32(stg + (w * 16 + g + 8 * h) * OUT_ROW + (8 * i + 2 * t) * 2, bits16(v0) | (bits16(v1) << 16));
+        ptx::sts32(stg + (w * 16 + g + 8 * h) * OUT_ROW + (8 * i + 2 * t) * 2, bits16(v0) | (bits16(v1) << 16));
       }
     }
     wg_bar(wg);
@@ -1253,10 +1063,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
         const long long row = r0 + lr, col = c0 + 8 * ch;
         if (row < M && col < N) {
           const u32 a = stg + lr * OUT_ROW + ch * 16;
-          uint2 lo, hi;
-          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(lo.x), "=r"(lo.y) : "r"(a));
-          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(hi.x), "=r"(hi.y) : "r"(a + 8));
-          *reinterpret_cast<uint4*>(Cz + row * N + col) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+          const uint2 lo = lds64(a), hi = lds64(a + 8);
+          *reinterpret_cast<uint4*>(Cz + row * ldc + col) = make_uint4(lo.x, lo.y, hi.x, hi.y);
         }
       }
     } else {  // one row of 32 elements per instruction
@@ -1269,9 +1077,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
           const int lc = 32 * k + lane;
           const long long col = c0 + lc;
           if (col < N) {
-            unsigned short v;
-            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(stg + lr * OUT_ROW + lc * 2));
-            C16[row * N + col] = v;
+            C16[row * ldc + col] = lds16(stg + lr * OUT_ROW + lc * 2);
           }
         }
       }
@@ -1280,10 +1086,154 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
   }
 }
 
+// The scaled epilogues (EPI_SCALE, EPI_ACCUMULATE; C in T or fp32) stage fp32 in the same buffer:
+// BN / 64 passes of 64 x 64, rows of 256 bytes whose 16-byte chunk c sits at chunk c ^ 2 (r % 4)
+// (wide_off), so that both the fragment writes (8 bytes; a half-warp covers rows g = 0..3, chunks
+// 2 i + t / 2: 8 distinct chunks mod 8) and the row reads (16 bytes; a quarter-warp reads 8
+// chunks of one row) hit 32 distinct banks. The staging buffer keeps its size (64 x 256 bytes
+// fit in OUT_BYTES), so the ring keeps its stages. Each pass: alpha (acc + bias) staged, a
+// warpgroup barrier, then each row written with 4 elements per lane (16-byte stores for fp32 C,
+// 8-byte for 16-bit C; element-wise stores where C's rows are not 4-element aligned), beta C
+// added in fp32 and rounded once. EPI_SCALE never reads C.
+//
+// EPI_ACCUMULATE loads a lane's 8 vectors of C for a pass right after the pass's barrier, all
+// before the first store (8 loads in flight per lane), and the producer warp has prefetched the
+// tile's C into L2 (prefetch_c, a few k-tiles before the epilogue), so the pass waits for one L2
+// round trip. Loading them earlier (during the staging, or during the previous pass) keeps 32
+// more registers live beside the accumulators of the passes not yet staged, past the 168 of a
+// 288-thread CTA: ptxas spills (checked with --ptxas-options=-v: 0 bytes of spills as written).
+constexpr int WIDE_ROW = 64 * 4;  // bytes of one staged fp32 row of a pass
+static_assert(64 * WIDE_ROW <= OUT_BYTES, "a pass of 64 x 64 fp32 must fit in a warpgroup's staging buffer");
+
+__device__ __forceinline__ u32 wide_off(int row, int chunk) {
+  return static_cast<u32>(row * WIDE_ROW + ((chunk ^ ((row & 3) << 1)) << 4));
+}
+
+// EPI_ACCUMULATE: prefetch.global.L2 for `rows` rows (r0..) of a tile's BN columns (n0..) of C, one
+// per 128-byte line, spread over `nthreads` threads (this one: tid).
+template <typename TC, int BN>
+__device__ __forceinline__ void prefetch_c(const TC* Cz, long long M, long long N, long long ldc, long long r0,
+                                           long long n0, int rows, int tid, int nthreads) {
+  constexpr int LINE = 128 / static_cast<int>(sizeof(TC));  // elements per line
+  constexpr int LINES = BN / LINE;                           // lines per row of the tile
+  for (int q = tid; q < rows * LINES; q += nthreads) {
+    const long long row = r0 + q / LINES, col = n0 + (q % LINES) * LINE;
+    if (row < M && col < N) prefetch_l2(Cz + row * ldc + col);
+  }
+}
+
+template <typename T, typename TC, int EPI, int BN>
+__device__ __forceinline__ void store_tile_wide(const float (&d)[BN / 2], u32 stg, TC* Cz, const T* bias, float alpha,
+                                                float beta, long long M, long long N, long long ldc, long long r0,
+                                                long long n0, int wg, int warp, int lane) {
+  static_assert(EPI == EPI_SCALE || EPI == EPI_ACCUMULATE, "store_tile_wide runs the scaled epilogues");
+  const int g = lane >> 2, t = lane & 3, w = warp & 3;
+  // Vector path: every row start aligned to 4 elements. EPI_SCALE: N need not be a multiple of 4
+  // (the padded rows of a logits buffer with an odd vocabulary still take vector stores; a row's
+  // partial last chunk goes element by element). EPI_ACCUMULATE: N % 4 == 0 too (the partial
+  // chunks' reads of C would take registers that its spill-free schedule does not have).
+  const bool vec = (ldc % 4 == 0) && (reinterpret_cast<u64>(Cz) % (4 * sizeof(TC)) == 0) &&
+                   (EPI == EPI_SCALE || N % 4 == 0);
+  const int rr = w * 16 + (lane >> 4), ch = lane & 15;  // vector path: rows rr + 2 it, chunk ch
+#pragma unroll
+  for (int pass = 0; pass < BN / 64; ++pass) {
+    const long long c0 = n0 + 64 * pass;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int ii = pass * 8 + i;  // n8 block of the BN columns
+      const long long cb = n0 + 8 * ii + 2 * t;
+      const float b0 = (bias != nullptr && cb < N) ? to_acc<float>(bias[cb]) : 0.0f;
+      const float b1 = (bias != nullptr && cb + 1 < N) ? to_acc<float>(bias[cb + 1]) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = alpha * (d[4 * ii + 2 * h] + b0), v1 = alpha * (d[4 * ii + 2 * h + 1] + b1);
+        sts64(stg + wide_off(w * 16 + g + 8 * h, 2 * i + (t >> 1)) + (t & 1) * 8, __float_as_uint(v0),
+              __float_as_uint(v1));
+      }
+    }
+    wg_bar(wg);
+    if (vec) {  // 2 rows of 16 chunks per instruction; a row's last, partial chunk element by element
+      const long long col = c0 + 4 * ch;
+      const bool full = EPI == EPI_ACCUMULATE ? col < N : col + 4 <= N;  // (EPI_ACCUMULATE: N % 4 == 0)
+      Vec<TC, 4> old[8];  // EPI_ACCUMULATE: all loaded before the first store (in flight together)
+      if constexpr (EPI == EPI_ACCUMULATE) {
+#pragma unroll
+        for (int it = 0; it < 8; ++it) {
+          const long long row = r0 + rr + 2 * it;
+          old[it] = (row < M && full) ? load_vec<TC, 4>(Cz + row * ldc + col) : Vec<TC, 4>{};
+        }
+      }
+#pragma unroll
+      for (int it = 0; it < 8; ++it) {
+        const int lr = rr + 2 * it;
+        const long long row = r0 + lr;
+        if (row < M && full) {
+          const uint4 sv = lds128(stg + wide_off(lr, ch));
+          float x[4] = {__uint_as_float(sv.x), __uint_as_float(sv.y), __uint_as_float(sv.z), __uint_as_float(sv.w)};
+          if constexpr (EPI == EPI_ACCUMULATE) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) x[j] = fmaf(beta, to_acc<float>(old[it].v[j]), x[j]);
+          }
+          TC* p = Cz + row * ldc + col;
+          if constexpr (sizeof(TC) == 4) {
+            stg128(p, make_uint4(__float_as_uint(x[0]), __float_as_uint(x[1]), __float_as_uint(x[2]),
+                                 __float_as_uint(x[3])));
+          } else {
+            stg64(p, make_uint2(bits16(from_acc<TC>(x[0])) | (bits16(from_acc<TC>(x[1])) << 16),
+                                bits16(from_acc<TC>(x[2])) | (bits16(from_acc<TC>(x[3])) << 16)));
+          }
+        }
+      }
+      if constexpr (EPI == EPI_SCALE) {
+        if (!full && col < N) {  // this lane's chunk is its rows' partial last one: element by element
+          for (int it = 0; it < 8; ++it) {
+            const int lr = rr + 2 * it;
+            const long long row = r0 + lr;
+            if (row >= M) break;
+            for (int j = 0; col + j < N; ++j) {
+              Cz[row * ldc + col + j] = from_acc<TC>(__uint_as_float(lds32(stg + wide_off(lr, ch) + 4 * j)));
+            }
+          }
+        }
+      }
+    } else {  // rows not 4-element aligned: one row of 32 elements per instruction
+      for (int lr = w * 16; lr < w * 16 + 16; ++lr) {
+        const long long row = r0 + lr;
+        if (row >= M) break;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int lc = 32 * k + lane;
+          if (c0 + lc < N) {
+            TC* p = Cz + row * ldc + c0 + lc;
+            float x = __uint_as_float(lds32(stg + wide_off(lr, lc >> 2) + (lc & 3) * 4));
+            if constexpr (EPI == EPI_ACCUMULATE) x = fmaf(beta, to_acc<float>(*p), x);
+            *p = from_acc<TC>(x);
+          }
+        }
+      }
+    }
+    wg_bar(wg);  // the buffer is rewritten by the next pass (or tile)
+  }
+}
+
+// One warpgroup's 64 x BN tile of C at Cz (rows r0.., columns n0..) for any epilogue.
+template <typename T, typename TC, int ACT, int EPI, int BN>
+__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], u32 stg, TC* Cz, const T* bias, float alpha,
+                                           float beta, long long M, long long N, long long ldc, long long r0,
+                                           long long n0, int wg, int warp, int lane) {
+  if constexpr (EPI == EPI_STORE) {
+    store_tile_staged<T, ACT, BN>(d, stg, Cz, bias, M, N, ldc, r0, n0, wg, warp, lane);
+  } else {
+    store_tile_wide<T, TC, EPI, BN>(d, stg, Cz, bias, alpha, beta, M, N, ldc, r0, n0, wg, warp, lane);
+  }
+}
+
 }  // namespace tma
 
 // A K-major: A[z] is row-major (M x K); else A[z]^T is (K x M row-major). B K-major: B[z]^T is
-// row-major (N x K); else B[z] is row-major (K x N). C[z] = act(A[z] B[z] + bias), contiguous.
+// row-major (N x K); else B[z] is row-major (K x N). C[z] (at C + z * sc, rows ldc apart, type
+// TC) = act(A[z] B[z] + bias) (EPI_STORE, the defaults: C in T), or the scaled epilogues of
+// cukit/gemm.cuh (no activation).
 // BN: block-tile width, 256 or 128 (the tensor map of B must have been encoded with BN's box).
 // Launch: 288 threads, grid <= number of SMs, dynamic shared memory tma::Cfg<BN>::SMEM (a launch
 // with less traps: the ring would overrun it).
@@ -1293,11 +1243,11 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
 // k16 step), so one warpgroup's epilogue runs under the other's mainloop; the mainloops take turns
 // (order_wait / order_signal), which also keeps a warpgroup from waiting on a ring stage more than
 // one phase ahead of the copies (a parity wait cannot tell phase n from phase n - 2).
-template <typename T, int ACT, int A_K, int B_K, int BN, int PP>
+template <typename T, int ACT, int A_K, int B_K, int BN, int PP, typename TC = T, int EPI = EPI_STORE>
 __global__ void __launch_bounds__(tma::THREADS, 1)
-    matmul_tc_tma(const __grid_constant__ tma::Map map_a, const __grid_constant__ tma::Map map_b,
-                  T* __restrict__ C, const T* __restrict__ bias, long long M, long long N, long long K,
-                  long long batch) {
+    matmul_tc_tma(const __grid_constant__ sm90::Map map_a, const __grid_constant__ sm90::Map map_b,
+                  TC* __restrict__ C, const T* __restrict__ bias, double alpha, double beta, long long M,
+                  long long N, long long K, long long ldc, long long sc, long long batch) {
   using namespace tma;
   using Cf = Cfg<BN>;
   static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128 per warpgroup");
@@ -1306,11 +1256,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 smem = (static_cast<u32>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
   const u32 out = smem + S * STAGE, full = out + 2 * OUT_BYTES, empty = full + 8 * S;
-  {
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-    if (dyn < static_cast<u32>(Cf::SMEM)) __trap();  // host and kernel disagree on the layout
-  }
+  if (dynamic_smem_size() < static_cast<u32>(Cf::SMEM)) __trap();  // host and kernel disagree on the layout
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int tiles_m = static_cast<int>((M + tc::BM - 1) / tc::BM);
@@ -1323,40 +1269,55 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, PP ? CONSUMER_WARPS / 2 : CONSUMER_WARPS);  // the warps that read a stage
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 
   if (warp == CONSUMER_WARPS) {  // producer warp: one thread issues every copy
-    if (lane == 0) {
-      int s = 0;
-      u32 phase = 0;
+    int s = 0;
+    u32 phase = 0;
+    auto copy_tile = [&](int z, int m0, int n0) {  // the tile's k-tiles into the ring
+      for (int kt = 0; kt < KT; ++kt) {
+        mbar_wait(empty + 8 * s, phase ^ 1);
+        const u32 bar = full + 8 * s, sa = smem + s * STAGE, sb = sa + A_BYTES;
+        mbar_expect_tx(bar, STAGE);
+        const int k0 = kt * BKE;
+        if constexpr (A_K) {
+          tma_load(sa, map_a, k0, m0, z, bar);
+        } else {
+          tma_load(sa, map_a, m0, k0, z, bar);
+          tma_load(sa + 8192, map_a, m0 + 64, k0, z, bar);
+        }
+        if constexpr (B_K) {
+          tma_load(sb, map_b, k0, n0, z, bar);
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 64; ++j) tma_load(sb + 8192 * j, map_b, n0 + 64 * j, k0, z, bar);
+        }
+        if (++s == S) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    };
+    if constexpr (EPI != EPI_ACCUMULATE) {
+      if (lane == 0) {
+        for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+          int z, tm, tn;
+          tile_coords<BN>(t, tiles_m, tiles_n, z, tm, tn);
+          copy_tile(z, tm * tc::BM, tn * BN);
+        }
+      }
+    } else {
+      // Once lane 0 has issued a tile's last copies (the consumers are then S k-tiles behind on
+      // it), the warp prefetches the tile's C into L2 for the epilogue's reads (prefetch_c).
       for (long long t = blockIdx.x; t < total; t += gridDim.x) {
         int z, tm, tn;
         tile_coords<BN>(t, tiles_m, tiles_n, z, tm, tn);
-        const int m0 = tm * tc::BM, n0 = tn * BN;
-        for (int kt = 0; kt < KT; ++kt) {
-          mbar_wait(empty + 8 * s, phase ^ 1);
-          const u32 bar = full + 8 * s, sa = smem + s * STAGE, sb = sa + A_BYTES;
-          mbar_expect_tx(bar, STAGE);
-          const int k0 = kt * BKE;
-          if constexpr (A_K) {
-            tma_load(sa, map_a, k0, m0, z, bar);
-          } else {
-            tma_load(sa, map_a, m0, k0, z, bar);
-            tma_load(sa + 8192, map_a, m0 + 64, k0, z, bar);
-          }
-          if constexpr (B_K) {
-            tma_load(sb, map_b, k0, n0, z, bar);
-          } else {
-#pragma unroll
-            for (int j = 0; j < BN / 64; ++j) tma_load(sb + 8192 * j, map_b, n0 + 64 * j, k0, z, bar);
-          }
-          if (++s == S) {
-            s = 0;
-            phase ^= 1;
-          }
-        }
+        if (lane == 0) copy_tile(z, tm * tc::BM, tn * BN);
+        __syncwarp();
+        prefetch_c<TC, BN>(C + static_cast<long long>(z) * sc, M, N, ldc, static_cast<long long>(tm) * tc::BM,
+                           static_cast<long long>(tn) * BN, tc::BM, lane, 32);
       }
     }
     return;
@@ -1383,15 +1344,15 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(full + 8 * s, phase);
         const u32 sa = smem + s * STAGE, sb = sa + A_BYTES;
-        tcw::wg_fence();
+        sm90::wg_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          tcw::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
-          tcw::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc<A_K != 0>(sa + 8192, j),
+          sm90::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+          sm90::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc<A_K != 0>(sa + 8192, j),
                                                                        desc<B_K != 0>(sb, j));
         }
-        tcw::wg_commit();
-        tcw::wg_wait<1>(d0, d1);
+        sm90::wg_commit();
+        sm90::wg_wait<1>(d0, d1);
         if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
         prev = s;
         if (++s == S) {
@@ -1400,13 +1361,16 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
         }
       }
       if (t + gridDim.x < total) order_signal(wg ^ 1);  // the next tile (the other group's) may start
-      tcw::wg_wait<0>(d0, d1);
+      sm90::wg_wait<0>(d0, d1);
       if (lane == 0) mbar_arrive(empty + 8 * prev);
       pos += 2LL * KT;
-      T* Cz = C + static_cast<long long>(z) * M * N;
+      TC* Cz = C + static_cast<long long>(z) * sc;
       const long long r0 = static_cast<long long>(tm) * tc::BM, c0 = static_cast<long long>(tn) * BN;
-      store_tile_staged<T, ACT, BN>(d0, out + wg * OUT_BYTES, Cz, bias, M, N, r0, c0, wg, warp, lane);
-      store_tile_staged<T, ACT, BN>(d1, out + wg * OUT_BYTES, Cz, bias, M, N, r0 + 64, c0, wg, warp, lane);
+      // alpha and beta converted here, not kept in registers through the mainloop
+      store_tile<T, TC, ACT, EPI, BN>(d0, out + wg * OUT_BYTES, Cz, bias, static_cast<float>(alpha),
+                                      static_cast<float>(beta), M, N, ldc, r0, c0, wg, warp, lane);
+      store_tile<T, TC, ACT, EPI, BN>(d1, out + wg * OUT_BYTES, Cz, bias, static_cast<float>(alpha),
+                                      static_cast<float>(beta), M, N, ldc, r0 + 64, c0, wg, warp, lane);
     }
     return;
   }
@@ -1424,12 +1388,12 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
     for (int kt = 0; kt < KT; ++kt) {
       mbar_wait(full + 8 * s, phase);
       const u32 sa = smem + s * STAGE + wg * 8192, sb = smem + s * STAGE + A_BYTES;
-      tcw::wg_fence();
+      sm90::wg_fence();
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        tcw::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
-      tcw::wg_commit();
-      tcw::wg_wait<1>(d);  // the previous k-tile's wgmmas are done: its stage may be refilled
+        sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+      sm90::wg_commit();
+      sm90::wg_wait<1>(d);  // the previous k-tile's wgmmas are done: its stage may be refilled
       if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
       prev = s;
       if (++s == S) {
@@ -1437,10 +1401,11 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
         phase ^= 1;
       }
     }
-    tcw::wg_wait<0>(d);
+    sm90::wg_wait<0>(d);
     if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
-    store_tile_staged<T, ACT, BN>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * M * N, bias, M, N,
-                                  static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * BN,
-                                  wg, warp, lane);
+    store_tile<T, TC, ACT, EPI, BN>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * sc, bias,
+                                    static_cast<float>(alpha), static_cast<float>(beta), M, N, ldc,
+                                    static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * BN, wg,
+                                    warp, lane);
   }
 }

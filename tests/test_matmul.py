@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import cukit
 from cukit.interop import DTYPES
 from cukit.ops import matmul as mm
-from cukit.ops._gemm import Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_STORE, Gemm
 from cukit.testing import arrays, assert_close, backend_dtypes, to_numpy, tolerance
 
 torch = pytest.importorskip("torch")
@@ -527,11 +527,13 @@ def _view_memory(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dty
 
 
 def emulate_gemm(g: Gemm) -> None:
-    """Run a Gemm on host memory exactly as the contract (cukit/ops/_gemm.py) defines it."""
-    dt = np.dtype(g.dtype.name)
+    """Run a Gemm on host memory exactly as the contract (cukit/ops/_gemm.py) defines it: C at
+    c + z * sc_batch + m * ldc + n in its own dtype, the matmul or the scaled epilogue."""
+    dt, ct = np.dtype(g.dtype.name), np.dtype(g.out_dtype.name)
     A = _view_memory(g.a, (*g.batch, g.M, g.K), (*g.sa_batch, g.sa_m, g.sa_k), dt)
     B = _view_memory(g.b, (*g.batch, g.K, g.N), (*g.sb_batch, g.sb_k, g.sb_n), dt)
-    C = _view_memory(g.c, (*g.batch, g.M, g.N), (g.batch[1] * g.batch[2] * g.M * g.N, g.batch[2] * g.M * g.N, g.M * g.N, g.N, 1), dt)
+    sz = g.sc_batch
+    C = _view_memory(g.c, (*g.batch, g.M, g.N), (g.batch[1] * g.batch[2] * sz, g.batch[2] * sz, sz, g.ldc, 1), ct)
     z = np.matmul(A.astype(np.float64), B.astype(np.float64))
     if g.bias:
         z = z + _view_memory(g.bias, (g.N,), (1,), dt)
@@ -539,6 +541,8 @@ def emulate_gemm(g: Gemm) -> None:
         from cukit.ops.bias_act import ACTIVATIONS, reference_numpy
 
         z = reference_numpy(z, np.zeros(g.N), {v: k for k, v in ACTIVATIONS.items()}[g.act])
+    if g.epilogue != EPI_STORE:
+        z = g.alpha * z + (g.beta * C.astype(np.float64) if g.epilogue == EPI_ACCUMULATE else 0.0)
     C[...] = z
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cukit.ops import matmul_simt as ms
-from cukit.ops._gemm import Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, Gemm
 from cukit.ops.bias_act import ACTIVATIONS, reference_numpy
 
 ACT_NAMES = {v: k for k, v in ACTIVATIONS.items()}
@@ -49,6 +49,25 @@ def test_instantiations_cover_every_launch():
                     assert ms.kernel_name(dtype, config, a, b, act) in declared
         for act in ms.ACTS:
             assert ms.v1_name(dtype, act) in declared
+
+
+def test_scaled_instantiations_cover_every_launch():
+    """The scaled epilogues (no activation): one group per (dtype, config, EPI) of the four layouts;
+    v1's group holds them too. The matmul path keeps its names (the template default)."""
+    for dtype, configs in ms.CONFIGS.items():
+        for config in configs:
+            for epi, name in ((EPI_SCALE, "scale"), (EPI_ACCUMULATE, "accumulate")):
+                group = ms.KERNELS.instantiations[f"{dtype}/{config}/{name}"]
+                assert sorted(group) == sorted(ms.kernel_name(dtype, config, a, b, -1, epi=epi) for a, b in LAYOUTS)
+        for epi in ms.SCALED_EPIS:
+            assert ms.v1_name(dtype, -1, epi=epi) in ms.KERNELS.instantiations[f"{dtype}/v1"]
+    assert ms.kernel_name("float32", "large", True, True, 0) == "matmul_simt<float, 128, 256, 8, 8, 16, true, true, 0>"
+    assert ms.kernel_name("float64", "small", False, True, -1, epi=EPI_ACCUMULATE) == (
+        "matmul_simt<double, 64, 64, 8, 4, 4, false, true, -1, 2>"
+    )
+    assert ms.v1_name("float32", -1, epi=EPI_SCALE) == "matmul_v1<float, -1, 1>"
+    with pytest.raises(ValueError, match="no instantiation"):
+        ms.kernel_name("float32", "large", True, True, 0, epi=EPI_ACCUMULATE)
 
 
 def _g(**kw) -> Gemm:

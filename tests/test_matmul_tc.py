@@ -15,7 +15,7 @@ import pytest
 from cukit._device import DeviceCaps
 from cukit.interop import DTYPES
 from cukit.ops import matmul_tc as mt
-from cukit.ops._gemm import Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, Gemm
 from cukit.ops.bias_act import ACTIVATIONS, reference_numpy
 
 ACT_NAMES = {v: k for k, v in ACTIVATIONS.items()}
@@ -69,6 +69,66 @@ def test_instantiations_cover_every_launch():
             for bn in mt.TMA_TILE_N:
                 group = mt.KERNELS_SM90A.instantiations[f"{dtype}/tma{bn}/act{act}"]
                 assert sorted(group) == sorted(mt.tma_name(dtype, act, a, b, bn) for a, b in LAYOUTS)
+
+
+def test_scaled_instantiations_cover_every_launch():
+    """The scaled epilogues (mt.SCALED: C's dtype and EPI per input dtype): one mma.sync group per
+    (dtype, load path, C's dtype, EPI) and one TMA group per (16-bit dtype, width, C's dtype, EPI),
+    each of the four layouts. The matmul path keeps its names (the template defaults)."""
+    declared = mt.KERNELS.instantiations
+    sm90a = mt.KERNELS_SM90A.instantiations
+    names = {EPI_SCALE: "scale", EPI_ACCUMULATE: "accumulate"}
+    for dtype, loads in mt.LOADS.items():
+        assert {epi for _, epi in mt.SCALED[dtype]} == {EPI_SCALE, EPI_ACCUMULATE}
+        for out, epi in mt.SCALED[dtype]:
+            for load in loads:
+                group = declared[f"{dtype}/vec{load}/{out}-{names[epi]}"]
+                assert sorted(group) == sorted(mt.kernel_name(dtype, -1, a, b, load, out=out, epi=epi) for a, b in LAYOUTS)
+            if dtype != "float32":
+                for bn in mt.TMA_TILE_N:
+                    group = sm90a[f"{dtype}/tma{bn}/{out}-{names[epi]}"]
+                    assert sorted(group) == sorted(mt.tma_name(dtype, -1, a, b, bn, out=out, epi=epi) for a, b in LAYOUTS)
+    assert mt.SCALED["bfloat16"] == (("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2))
+    assert mt.SCALED["float32"] == (("float32", 1), ("float32", 2))
+    assert mt.kernel_name("bfloat16", 1, True, False, 1) == "matmul_tc<__nv_bfloat16, 1, 1, 0, 1>"
+    assert mt.kernel_name("bfloat16", -1, False, True, 0, out="float32", epi=EPI_ACCUMULATE) == (
+        "matmul_tc<__nv_bfloat16, -1, 0, 1, 0, float, 2>"
+    )
+    assert mt.tma_name("float16", -1, True, True, 128, out="float16", epi=EPI_SCALE) == (
+        "matmul_tc_tma<__half, -1, 1, 1, 128, 1, __half, 1>"
+    )
+    with pytest.raises(ValueError, match="no scaled instantiation"):
+        mt.kernel_name("float32", -1, True, True, 1, out="float16", epi=EPI_SCALE)
+    with pytest.raises(ValueError, match="the matmul epilogue writes C in the input dtype"):
+        mt.kernel_name("bfloat16", -1, True, True, 1, out="float32")
+
+
+def test_tma_fp32_staging_is_bank_conflict_free():
+    """raw_kernels/matmul_tc.cu's wide_off (the scaled epilogues stage fp32 in passes of 64 x 64:
+    rows of 256 bytes, chunk c of row r in slot c ^ 2 (r % 4)): every (row, chunk) has its own slot
+    within the 64 x 264-byte staging buffer, a half-warp's 8-byte fragment writes (lane: g = lane /
+    4, t = lane % 4; row 16 w + g + 8 h, chunk 2 i + t / 2) and a quarter-warp's 16-byte row reads
+    (8 chunks of one row) each cover the 32 banks once."""
+
+    def wide_off(row: int, chunk: int) -> int:
+        return row * 256 + ((chunk ^ ((row & 3) << 1)) << 4)
+
+    slots = {wide_off(r, c) for r in range(64) for c in range(16)}
+    assert len(slots) == 64 * 16 and max(slots) + 16 <= 64 * 264
+    for w in range(4):
+        for i in range(8):
+            for h in range(2):
+                for half in (0, 16):
+                    banks = []
+                    for lane in range(half, half + 16):
+                        g, t = lane >> 2, lane & 3
+                        word = (wide_off(16 * w + g + 8 * h, 2 * i + (t >> 1)) + (t & 1) * 8) // 4
+                        banks += [word % 32, (word + 1) % 32]
+                    assert sorted(banks) == list(range(32)), (w, i, h, half)
+    for row in range(64):
+        for q in (0, 8):
+            banks = [(wide_off(row, c) // 4 + j) % 32 for c in range(q, q + 8) for j in range(4)]
+            assert sorted(banks) == list(range(32)), (row, q)
 
 
 def test_tma_shared_memory_per_width():

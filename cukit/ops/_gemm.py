@@ -1,23 +1,39 @@
 """The contract between the matmul front end (cukit/ops/matmul.py) and the matmul kernel families
 (cukit/ops/matmul_<family>.py with raw_kernels/matmul_<family>.cu).
 
-A :class:`Gemm` describes one launch-ready problem on one device::
+A :class:`Gemm` describes one launch-ready problem on one device. Its epilogue
+(:attr:`Gemm.epilogue`, ``cukit/gemm.cuh``'s ``Epilogue``) is one of::
 
-    C[z, m, n] = act(sum_k A[z, m, k] * B[z, k, n] + bias[n])      for z in range(batch)
+    EPI_STORE       C[z, m, n] = act(sum_k A[z, m, k] * B[z, k, n] + bias[n])
+    EPI_SCALE       C[z, m, n] = alpha * (sum_k A[z, m, k] * B[z, k, n] + bias[n])
+    EPI_ACCUMULATE  C[z, m, n] = alpha * (sum_k A[z, m, k] * B[z, k, n] + bias[n]) + beta * C[z, m, n]
+
+for z in range(batch). EPI_STORE is the matmul path (C in A's dtype, alpha == 1, beta == 0); the
+scaled epilogues take no activation, EPI_SCALE never reads C (beta == 0: C may hold NaN garbage)
+and EPI_ACCUMULATE reads each element of C once before writing it (beta != 0).
 
 - Element strides, not bytes. A is addressed ``A[z, m, k] = a + off_a(z) + m * sa_m + k * sa_k``
   with exactly one of ``sa_m``, ``sa_k`` equal to 1 (the front end copies operands that have no
   unit stride), likewise B with ``sb_k``, ``sb_n``. So each operand is either "row-major" or
   "column-major" (a transpose is a stride swap, never a copy).
-- C is written contiguous row-major: ``C[z, m, n] = c + z * M * N + m * N + n``.
+- C is row-major with unit column stride: ``C[z, m, n] = c + z * sc_batch + m * ldc + n``, ldc >= N
+  (default N) and sc_batch its batch stride (default M * ldc: contiguous C when ldc == N). Its
+  dtype ``c_dtype`` is A's (None) or float32 (for bfloat16/float16 A: fp32 outputs of fp32
+  accumulation).
 - Batch: up to 3 batch dimensions (the broadcast result shape, outermost first, padded with 1s),
   each with A's and B's element stride (0 where that operand is broadcast). The flattened batch
   index z runs over ``nb0 * nb1 * nb2``; kernels decode it with ``cukit/gemm.cuh``'s
   ``batch_offset``. Strides and offsets are 64-bit.
-- bias: a pointer to N elements of C's dtype, or 0. act: -1 (none) or an id of
-  ``cukit/activations.cuh`` (bias_act's ACTIVATIONS).
-- M, N or K may be 0 or 1; K == 0 means C = act(bias) (or zeros): the front end handles
-  M == 0 / N == 0 / batch == 0 (nothing to launch) but kernels must handle K == 0.
+- bias: a pointer to N elements of A's dtype, or 0. act: -1 (none) or an id of
+  ``cukit/activations.cuh`` (bias_act's ACTIVATIONS); EPI_STORE only.
+- alpha, beta: the scaled epilogues' scalars (doubles in the kernels' parameter lists, used in the
+  accumulation type). ``scaled=True`` makes them launch arguments: a prepared run then takes
+  ``(a, b, c, bias, alpha, beta)`` per call, so that changing them needs no new plan (only whether
+  beta is 0 picks the kernel); ``scaled=False`` fixes them in the plan (alpha 1, beta 0) and a run
+  takes ``(a, b, c, bias)``.
+- M, N or K may be 0 or 1; K == 0 means C = act(bias) (or zeros; scaled: alpha * bias + beta * C):
+  the front end handles M == 0 / N == 0 / batch == 0 (nothing to launch) but kernels must handle
+  K == 0.
 """
 
 from __future__ import annotations
@@ -28,24 +44,40 @@ from typing import Any, Protocol
 
 from cukit.interop import DType
 
-__all__ = ["GEMM_SIGNATURE", "MAX_BATCH_DIMS", "Gemm", "GemmFamily", "GemmRun"]
+__all__ = [
+    "EPI_ACCUMULATE",
+    "EPI_SCALE",
+    "EPI_STORE",
+    "GEMM_SIGNATURE",
+    "MAX_BATCH_DIMS",
+    "Gemm",
+    "GemmFamily",
+    "GemmRun",
+]
 
-# A ready launch: ``run((a, b, c, bias), stream)`` with device pointers of arrays that have the
-# shapes, strides and alignment of the Gemm it was prepared for.
-GemmRun = Callable[[tuple[int, int, int, int], Any], None]
+# A ready launch: ``run(head, stream)`` with ``head = Gemm.head()``'s shape: device pointers
+# (a, b, c, bias) of arrays that have the shapes, strides and alignment of the Gemm it was
+# prepared for, followed by (alpha, beta) as Python floats when the Gemm is ``scaled``.
+GemmRun = Callable[[tuple[Any, ...], Any], None]
 
 MAX_BATCH_DIMS = 3
 
+# cukit/gemm.cuh's Epilogue.
+EPI_STORE, EPI_SCALE, EPI_ACCUMULATE = 0, 1, 2
+
 # The kernel parameter list every matmul kernel takes, in this order (see Gemm.kernel_args):
-# A, B, C, bias, M, N, K, sa_m, sa_k, sb_k, sb_n, nb0, nb1, nb2, sa0, sa1, sa2, sb0, sb1, sb2
-GEMM_SIGNATURE = "ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64"
+# A, B, C, bias, alpha, beta, M, N, K, ldc, sc, sa_m, sa_k, sb_k, sb_n, nb0, nb1, nb2, sa0, sa1, sa2,
+# sb0, sb1, sb2
+GEMM_SIGNATURE = "ptr ptr ptr ptr f64 f64 " + " ".join(["i64"] * 18)
+
+_WIDE_OUT = ("bfloat16", "float16")  # A dtypes whose products may be written in float32
 
 
 @dataclass(frozen=True)
 class Gemm:
     """One batched GEMM problem, ready to launch (see the module docstring for the maths)."""
 
-    dtype: DType  # A, B, C and bias share it
+    dtype: DType  # A, B and bias share it
     M: int
     N: int
     K: int
@@ -63,16 +95,52 @@ class Gemm:
     sb_batch: tuple[int, int, int] = (0, 0, 0)
     precision: str = "ieee"  # or "tf32" (float32 inputs only)
     device: int = 0
+    c_dtype: DType | None = None  # None: dtype
+    ldc: int | None = None  # C's row stride in elements; None: N
+    sc_batch: int | None = None  # C's stride between consecutive batches z; None: M * ldc
+    alpha: float = 1.0
+    beta: float = 0.0
+    scaled: bool = False  # alpha and beta are launch arguments (see the module docstring)
 
     def __post_init__(self) -> None:
         if (self.sa_m == 1) == (self.sa_k == 1) and not (self.M <= 1 or self.K <= 1):
             raise ValueError(f"A needs exactly one unit stride; got sa_m={self.sa_m}, sa_k={self.sa_k}")
         if (self.sb_k == 1) == (self.sb_n == 1) and not (self.K <= 1 or self.N <= 1):
             raise ValueError(f"B needs exactly one unit stride; got sb_k={self.sb_k}, sb_n={self.sb_n}")
+        if self.ldc is None:
+            object.__setattr__(self, "ldc", self.N)
+        if self.sc_batch is None:
+            object.__setattr__(self, "sc_batch", self.M * self.ldc)
+        out = self.out_dtype.name
+        if out != self.dtype.name and not (out == "float32" and self.dtype.name in _WIDE_OUT):
+            raise ValueError(f"C must have A's dtype {self.dtype.name} (or float32 for 16-bit A); got {out}")
+        if self.M > 1 and self.ldc < self.N:
+            raise ValueError(f"C's rows overlap: ldc={self.ldc} < N={self.N}")
+        if self.batch_count > 1 and self.M > 0 and self.N > 0 and self.sc_batch < (self.M - 1) * self.ldc + self.N:
+            raise ValueError(f"C's batches overlap: sc_batch={self.sc_batch} for {self.M} rows of stride {self.ldc}")
+        if not self.scaled and (self.alpha != 1.0 or self.beta != 0.0):
+            raise ValueError(f"alpha and beta need scaled=True; got alpha={self.alpha}, beta={self.beta}")
+        if self.act >= 0 and self.epilogue != EPI_STORE:
+            raise ValueError(
+                "an activation needs the matmul epilogue (C in A's dtype, alpha == 1, beta == 0, scaled=False)"
+            )
 
     @property
     def batch_count(self) -> int:
         return self.batch[0] * self.batch[1] * self.batch[2]
+
+    @property
+    def out_dtype(self) -> DType:
+        """C's dtype."""
+        return self.dtype if self.c_dtype is None else self.c_dtype
+
+    @property
+    def epilogue(self) -> int:
+        """The kernels' EPI: EPI_STORE for the matmul path (not scaled, C in A's dtype), else
+        EPI_ACCUMULATE when beta != 0 and EPI_SCALE when it is 0 (C is then never read)."""
+        if not self.scaled and self.out_dtype.name == self.dtype.name:
+            return EPI_STORE
+        return EPI_ACCUMULATE if self.beta != 0 else EPI_SCALE
 
     @property
     def a_row_major(self) -> bool:
@@ -85,27 +153,46 @@ class Gemm:
         e.g. nn.Linear's weight)."""
         return self.sb_n == 1
 
-    def kernel_args(self) -> tuple[int, ...]:
+    @property
+    def n_head(self) -> int:
+        """How many leading kernel arguments a prepared run takes per call: the 4 pointers, and
+        alpha and beta when ``scaled``."""
+        return 6 if self.scaled else 4
+
+    def head(self) -> tuple[Any, ...]:
+        """A prepared run's per-call arguments for this problem: ``(a, b, c, bias)``, plus
+        ``(alpha, beta)`` when ``scaled``."""
+        if self.scaled:
+            return (self.a, self.b, self.c, self.bias, float(self.alpha), float(self.beta))
+        return (self.a, self.b, self.c, self.bias)
+
+    def kernel_args(self) -> tuple[Any, ...]:
         """The argument tuple for GEMM_SIGNATURE."""
         return (
-            self.a, self.b, self.c, self.bias,
-            self.M, self.N, self.K,
+            self.a, self.b, self.c, self.bias, float(self.alpha), float(self.beta),
+            self.M, self.N, self.K, self.ldc, self.sc_batch,
             self.sa_m, self.sa_k, self.sb_k, self.sb_n,
             *self.batch, *self.sa_batch, *self.sb_batch,
         )
+
+    def kernel_tail(self) -> tuple[Any, ...]:
+        """The kernel arguments a prepared run fixes (those after :meth:`head`'s)."""
+        return self.kernel_args()[self.n_head:]
 
 
 class GemmFamily(Protocol):
     """What a kernel family module (``cukit/ops/matmul_<family>.py``) provides to the front end."""
 
     def supports(self, g: Gemm) -> bool:
-        """Whether the family runs ``g`` (dtype, precision, layout, alignment, device)."""
+        """Whether the family runs ``g`` (dtype, C's dtype, epilogue, precision, layout, alignment,
+        device)."""
         ...
 
     def prepare(self, g: Gemm, *, version: str) -> GemmRun:
-        """A ready launch for every problem of ``g``'s signature (the plan cache keeps it)."""
+        """A ready launch for every problem of ``g``'s signature (the plan cache keeps it), called
+        as ``run(head, stream)`` with ``head`` shaped as ``g.head()``."""
         ...
 
     def launch(self, g: Gemm, stream: Any) -> None:
-        """``prepare(g)((g.a, g.b, g.c, g.bias), stream)``."""
+        """``prepare(g)(g.head(), stream)``."""
         ...

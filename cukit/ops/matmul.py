@@ -1,5 +1,6 @@
 """Matrix products: ``matmul`` (``numpy.matmul`` semantics), ``linear`` (``act(x @ W.T + b)`` in one
-kernel), ``batch_matmul``, ``chunked_matmul``; the global TF32 setting; the kernel-selection heuristic.
+kernel), ``batch_matmul``, ``chunked_matmul``, ``gemm`` (``out = alpha * (a @ b) + beta * out`` into an
+existing, possibly strided or float32, output); the global TF32 setting; the kernel-selection heuristic.
 
 This module is the front end of the matmul family. It validates, promotes dtypes, and turns arrays
 into a launch-ready :class:`cukit.ops._gemm.Gemm` (strides, broadcast batch dimensions, bias and
@@ -70,6 +71,9 @@ __all__ = [
     "batch_matmul",
     "chunked_matmul",
     "force_kernel",
+    "gemm",
+    "gemm_reference_numpy",
+    "gemm_reference_torch",
     "get_matmul_precision",
     "linear",
     "linear_reference_numpy",
@@ -731,6 +735,7 @@ def _describe(g: Gemm) -> str:
     return (
         f"{g.dtype.name} M={g.M} N={g.N} K={g.K} batch={g.batch} layouts(A/B)={lay} precision={g.precision}"
         f"{' +bias' if g.bias else ''}{f' act={g.act}' if g.act >= 0 else ''}"
+        f"{f' C={g.out_dtype.name} epilogue={g.epilogue}' if g.epilogue else ''}"
     )
 
 
@@ -785,8 +790,8 @@ def _plan(g: Gemm, kernel: str | None = None) -> tuple[ModuleType, Gemm, str | N
 
 
 def _prepare(mod: ModuleType, g: Gemm, variant: str | None) -> Any:
-    """The family's ready launch for ``g`` (``run((a, b, c, bias), stream)``); a variant such as
-    "v1" goes to ``prepare(g, version=variant)``."""
+    """The family's ready launch for ``g`` (``run(g.head(), stream)``); a variant such as "v1" goes
+    to ``prepare(g, version=variant)``."""
     if variant is None:
         return mod.prepare(g)
     return mod.prepare(g, version=variant)
@@ -1187,7 +1192,7 @@ def _matmul_gpu_slow(
             if mod.supports(g2) and mod.uses_tma(g2):
                 g, ka, kb = g2, pa, pb
         run = _prepare(mod, g, variant)
-        run((g.a, g.b, g.c, g.bias), current_stream(device, kind == "torch"))
+        run(g.head(), current_stream(device, kind == "torch"))
         as_is = g.a == _ptr(a, kind) and g.b == _ptr(b, kind) and (bias is None or g.bias == _ptr(bias_in, kind))
         if key is not None and as_is and not direct:
             _PLANS.put(key, _GemmPlan(out_shape, run))
@@ -1229,6 +1234,237 @@ def linear_gpu(
 
 
 # ---------------------------------------------------------------------------------------------
+# gemm: out = alpha * (a @ b) + beta * out, into an existing output
+# ---------------------------------------------------------------------------------------------
+
+_GEMM = "cukit.ops.matmul.gemm"
+_OVERLAP = f"{_GEMM}: out must not overlap a or b (it is written while they are read); got overlapping memory"
+_WIDE_OUT = ("float16", "bfloat16")  # a dtypes whose products gemm may write in float32
+
+
+def gemm(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: float = 0.0, precision: str | None = None) -> Any:
+    """Matrix product into an existing output: ``out = alpha * (a @ b) + beta * out``.
+
+    The BLAS GEMM, for code that accumulates products (``dW += G^T @ X`` over chunks of tokens:
+    ``beta=1``), keeps float32 results of 16-bit inputs, or writes into part of a larger buffer.
+
+    Args:
+        a: (M, K) and b: (K, N), 2-D, one dtype (float16, bfloat16, float32 or float64; no
+            promotion). CuPy arrays or torch CUDA tensors run cukit's kernels; NumPy arrays and
+            torch CPU tensors run the reference (:func:`gemm_reference_numpy`,
+            :func:`gemm_reference_torch`). Each must have a unit stride along one dimension: a
+            transposed view (``x.T``, ``x.mT``: ``gemm(g.T, x, dw)`` is dW = G^T X) or a slice of a
+            larger array is read in place; nothing is copied.
+        out: (M, N), the same array type and device; dtype a's, or float32 when a is float16 or
+            bfloat16 (the fp32 accumulation written without rounding to 16 bits). Unit column
+            stride and row stride >= N: a row slice or a column block of a larger buffer is
+            written in place and its other elements are untouched. It must not overlap a or b.
+        alpha, beta: real numbers (Python or NumPy scalars), applied in the accumulation type
+            (float32; float64 for float64). beta == 0 never reads out (it may hold NaN or
+            garbage); otherwise each element of out is read once. alpha multiplies the product
+            (IEEE: alpha == 0 with an infinite product gives NaN).
+        precision: None (the global setting), "ieee" or "tf32", as for ``cukit.matmul`` (float32
+            inputs only).
+
+    Returns:
+        out.
+
+    On CUDA: one kernel launch on the current stream (torch's for tensors), no allocation, no host
+    synchronisation. A call whose signature (shapes, strides, dtypes, device, 16-byte alignment,
+    whether beta is 0: not the values of alpha and beta) was seen before is a plan-cache lookup and
+    a launch. Not differentiable: out is written through its pointer, unseen by torch's autograd.
+
+    Raises:
+        TypeError (array types, dtypes, alpha/beta) and ValueError (shapes, strides, devices,
+        overlap), each naming ``cukit.ops.matmul.gemm`` and the argument; NotImplementedError when
+        no kernel family runs the problem on the device.
+
+    See also: ``torch.addmm(out, a, b, beta=beta, alpha=alpha, out=out)``, BLAS ``?gemm``,
+    ``cukit.matmul``.
+    """
+    if type(alpha) is not float or type(beta) is not float:
+        alpha, beta = _gemm_scalars(alpha, beta)
+    prec = _PRECISION if precision is None else _check_precision(precision, _GEMM)
+    try:
+        key = _gemm_key(a, b, out, beta != 0.0, prec)
+    except (AttributeError, TypeError):  # not three CUDA arrays of one kind: the first-call checks say why
+        return _gemm_first(a, b, out, alpha, beta, prec, None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        return _gemm_first(a, b, out, alpha, beta, prec, key)
+    if hasattr(a, "data_ptr"):
+        pa, pb, pc = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        stream = current_stream(a.get_device(), True)
+    else:
+        pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
+        stream = current_stream(a.device.id, False)
+    if plan.ext is not None:
+        _check_disjoint(pa, pb, pc, plan.ext)
+    plan.run((pa, pb, pc, 0, alpha, beta), stream)
+    return out
+
+
+def _gemm_scalars(alpha: Any, beta: Any) -> tuple[float, float]:
+    """alpha and beta as Python floats (the kernels take doubles); TypeError for anything but a
+    real number (a 0-d tensor would need a host sync)."""
+    vals = []
+    for name, v in (("alpha", alpha), ("beta", beta)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{_GEMM}: {name} must be a real number (a Python or NumPy scalar); got {type_name(v)}")
+        vals.append(float(v))
+    return vals[0], vals[1]
+
+
+def _gemm_key(a: Any, b: Any, out: Any, reads_c: bool, precision: str) -> tuple:
+    """A gemm call's signature (see _plan_key): AttributeError/TypeError when a, b and out are not
+    CUDA arrays of one library (the first-call checks then name the problem)."""
+    if hasattr(a, "data_ptr"):  # torch
+        return (
+            "gemm", a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15,
+            b.shape, b.stride(), b.dtype, b.get_device(), b.data_ptr() & 15,
+            out.shape, out.stride(), out.dtype, out.get_device(), out.data_ptr() & 15,
+            type(b) is type(a) and type(out) is type(a), reads_c, precision, _FORCED,
+        )
+    return (
+        "gemm", a.shape, a.strides, a.dtype, a.device.id, a.data.ptr & 15,
+        b.shape, b.strides, b.dtype, b.device.id, b.data.ptr & 15,
+        out.shape, out.strides, out.dtype, out.device.id, out.data.ptr & 15,
+        type(b) is type(a) and type(out) is type(a), reads_c, precision, _FORCED,
+    )
+
+
+class _GemmIntoPlan:
+    """A gemm signature's ready launch (``run((a, b, out, 0, alpha, beta), stream)``) and the byte
+    ranges its arrays span relative to their pointers (:func:`_check_disjoint`; None: out is empty)."""
+
+    __slots__ = ("ext", "run")
+
+    def __init__(self, run: Any, ext: tuple | None) -> None:
+        self.run, self.ext = run, ext
+
+
+def _span(x: Any, kind: str) -> tuple[int, int] | None:
+    """The byte range [lo, hi) of x's elements relative to its data pointer; None when empty."""
+    ext = _extent(x, kind)
+    if ext is None:
+        return None
+    p = _ptr(x, kind)
+    return ext[0] - p, ext[1] - p
+
+
+def _check_disjoint(pa: int, pb: int, pc: int, ext: tuple) -> None:
+    """ValueError when out's byte range (at pc) meets a's (pa) or b's (pb): ext is (out's span,
+    a's span or None, b's span or None), spans relative to the pointers."""
+    (c0, c1), sa, sb = ext
+    lo, hi = pc + c0, pc + c1
+    if (sa is not None and pa + sa[0] < hi and lo < pa + sa[1]) or (sb is not None and pb + sb[0] < hi and lo < pb + sb[1]):
+        raise ValueError(_OVERLAP)
+
+
+def _strides_text(x: Any, kind: str) -> str:
+    st = element_strides(x, kind)
+    return f"element strides {st}" if st is not None else f"byte strides {tuple(x.strides)}"
+
+
+def _validate_gemm(a: Any, b: Any, out: Any) -> tuple[str, int | None]:
+    """gemm's checks: (array kind, device), or TypeError/ValueError naming the argument."""
+    fn = _GEMM
+    kind, device = _validate_pair(a, b, fn=fn)
+    _validate_pair(a, out, "out", fn=fn)
+    name = _dtype_name(a, kind)
+    if name not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: a must have dtype {', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}; got {name}")
+    if _dtype_name(b, kind) != name:
+        raise TypeError(f"{fn}: b must have a's dtype {name} (no dtype promotion here); got {_dtype_name(b, kind)}")
+    outs = (name, "float32") if name in _WIDE_OUT else (name,)
+    if _dtype_name(out, kind) not in outs:
+        raise TypeError(
+            f"{fn}: out must have dtype {' or '.join(outs)} (a's{', or float32 for 16-bit a' if len(outs) > 1 else ''}); "
+            f"got {_dtype_name(out, kind)}"
+        )
+    for nm, x, want in (("a", a, "(M, K)"), ("b", b, "(K, N)"), ("out", out, "(M, N)")):
+        if x.ndim != 2:
+            raise ValueError(f"{fn}: {nm} must be 2-D {want}; got shape {tuple(x.shape)}")
+    M, K = (int(n) for n in a.shape)
+    if b.shape[0] != K:
+        raise ValueError(
+            f"{fn}: b must have K = {K} rows, a's last dimension (b is (K, N)); got shape {tuple(b.shape)} "
+            f"(a.shape={tuple(a.shape)})"
+        )
+    N = int(b.shape[1])
+    if tuple(out.shape) != (M, N):
+        raise ValueError(f"{fn}: out must have shape (M, N) = {(M, N)}; got {tuple(out.shape)}")
+    for nm, x, (r, c) in (("a", a, (M, K)), ("b", b, (K, N))):
+        if r * c == 0:  # nothing is read: any strides
+            continue
+        st = element_strides(x, kind)
+        if st is None or _matrix_layout(r, c, st[0], st[1]) is None or any(
+            s == 0 and n > 1 for n, s in zip(x.shape, st, strict=True)
+        ):
+            raise ValueError(
+                f"{fn}: {nm} must have unit stride along one dimension and no broadcast (zero-stride) dimension "
+                f"(row-major, or a transposed view; gemm copies nothing); got {_strides_text(x, kind)}"
+            )
+    st = element_strides(out, kind)
+    if M * N and (st is None or (N > 1 and st[1] != 1) or (M > 1 and st[0] < N)):
+        raise ValueError(
+            f"{fn}: out must have unit column stride and a row stride >= N = {N} (row-major, or a row slice or "
+            f"column block of a row-major array); got {_strides_text(out, kind)}"
+        )
+    return kind, device
+
+
+def _gemm_first(a: Any, b: Any, out: Any, alpha: float, beta: float, precision: str, key: tuple | None) -> Any:
+    """A gemm signature's first call (and every CPU call): validate, run the reference on the CPU,
+    else build the Gemm, pick and prepare the kernel, launch, cache the plan."""
+    kind, device = _validate_gemm(a, b, out)
+    if kind == "numpy":
+        if np.may_share_memory(out, a) or np.may_share_memory(out, b):
+            raise ValueError(_OVERLAP)
+        return gemm_reference_numpy(a, b, out, alpha=alpha, beta=beta)
+    if device is None:
+        if _overlaps(out, (a, b), kind):
+            raise ValueError(_OVERLAP)
+        return gemm_reference_torch(a, b, out, alpha=alpha, beta=beta)
+    ext = None
+    span_c = _span(out, kind)
+    if span_c is not None:
+        ext = (span_c, _span(a, kind), _span(b, kind))
+        _check_disjoint(_ptr(a, kind), _ptr(b, kind), _ptr(out, kind), ext)
+    run: Any = _noop_run
+    if out.shape[0] and out.shape[1]:
+        g = _gemm_problem(a, b, out, kind, device, alpha=alpha, beta=beta, precision=precision)
+        mod, g, variant = _plan(g, _FORCED)
+        run = _prepare(mod, g, variant)
+        run(g.head(), current_stream(device, kind == "torch"))
+    if key is not None:
+        _PLANS.put(key, _GemmIntoPlan(run, ext))
+    return out
+
+
+def _gemm_problem(
+    a: Any, b: Any, out: Any, kind: str, device: int, *, alpha: float, beta: float, precision: str
+) -> Gemm:
+    """The scaled Gemm of ``gemm(a, b, out)`` for arrays that passed :func:`_validate_gemm`: A and
+    B read in place by their unit strides, C at out with ldc = out's row stride."""
+    M, K = (int(n) for n in a.shape)
+    N = int(b.shape[1])
+    sa, sb, sc = (element_strides(x, kind) for x in (a, b, out))
+    assert sa is not None and sb is not None and sc is not None
+    # K == 0: nothing is read; layouts whose rows are along K (none), so no alignment is needed
+    lay_a = _matrix_layout(M, K, sa[0], sa[1]) if K else (1, max(M, 1))
+    lay_b = _matrix_layout(K, N, sb[0], sb[1]) if K else (max(N, 1), 1)
+    assert lay_a is not None and lay_b is not None
+    name = _dtype_name(a, kind)
+    return Gemm(
+        dtype=DTYPES[name], M=M, N=N, K=K, a=_ptr(a, kind), b=_ptr(b, kind), c=_ptr(out, kind), bias=0, act=-1,
+        sa_m=lay_a[0], sa_k=lay_a[1], sb_k=lay_b[0], sb_n=lay_b[1],
+        precision=precision if name == "float32" else "ieee", device=device,
+        c_dtype=DTYPES[_dtype_name(out, kind)], ldc=sc[0] if M > 1 else N, alpha=alpha, beta=beta, scaled=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # References: CPU fallbacks and test oracles
 # ---------------------------------------------------------------------------------------------
 
@@ -1259,6 +1495,36 @@ def reference_torch(a: Any, b: Any) -> Any:
 
 def _acc_name(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
+
+
+def gemm_reference_numpy(a: np.ndarray, b: np.ndarray, out: np.ndarray, *, alpha: float = 1.0, beta: float = 0.0) -> Any:
+    """``out[...] = alpha * (a @ b) + beta * out`` (:func:`gemm`'s CPU path for NumPy) with the
+    kernels' maths: float32 (float64 for float64) products, sums and scaling, one rounding into
+    out's dtype; beta == 0 never reads out."""
+    acc = np.dtype(_acc_name(a.dtype.name))
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.matmul(a.astype(acc), b.astype(acc)) * acc.type(alpha)
+        if beta != 0:
+            r += acc.type(beta) * out.astype(acc)
+    out[...] = r.astype(out.dtype)
+    return out
+
+
+def gemm_reference_torch(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: float = 0.0) -> Any:
+    """torch ``out = alpha * (a @ b) + beta * out`` with the kernels' maths (fp32 for 16-bit dtypes,
+    one rounding into out's dtype; beta == 0 never reads out): :func:`gemm`'s torch-CPU path,
+    outside autograd."""
+    import torch
+
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        r = torch.mm(a.to(acc), b.to(acc))
+        if alpha != 1.0:
+            r.mul_(alpha)
+        if beta != 0.0:
+            r.add_(out.to(acc), alpha=beta)
+        out.copy_(r)
+    return out
 
 
 def linear_reference_numpy(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, activation: str | None) -> Any:

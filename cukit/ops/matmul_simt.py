@@ -1,8 +1,10 @@
 """SIMT (CUDA-core) matmul kernels for float32 (IEEE) and float64: ``raw_kernels/matmul_simt.cu``.
 
 The kernel contract is :class:`cukit.ops._gemm.Gemm`: every kernel takes ``GEMM_SIGNATURE`` and
-computes ``C[z] = act(A[z] @ B[z] + bias)`` for any M, N, K (K == 0 included), either operand
-row- or column-major (chosen by its unit stride), up to three broadcast batch dimensions.
+computes ``C[z] = act(A[z] @ B[z] + bias)`` (or the scaled epilogues ``alpha (A[z] @ B[z] + bias)
+(+ beta C[z])``, C in the input dtype) for any M, N, K (K == 0 included), either operand row- or
+column-major (chosen by its unit stride), up to three broadcast batch dimensions, C's rows ``ldc``
+apart.
 
 Two versions:
 
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 from cukit._device import sm_count
 from cukit._runtime import KernelModule
 from cukit.interop import DTYPES
-from cukit.ops._gemm import GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_STORE, GEMM_SIGNATURE, Gemm
 
 __all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch", "prepare", "supports"]
 
@@ -34,6 +36,9 @@ __all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch
 ACTS = (-1, 0, 1, 2, 3)
 # (A row-major, B row-major): the four operand layouts every config is instantiated for.
 LAYOUTS = ((True, True), (True, False), (False, True), (False, False))
+# The scaled epilogues (cukit/gemm.cuh), instantiated without activation; C in the input dtype.
+SCALED_EPIS = (EPI_SCALE, EPI_ACCUMULATE)
+_EPI_NAMES = {EPI_SCALE: "scale", EPI_ACCUMULATE: "accumulate"}
 
 
 class Tile(NamedTuple):
@@ -77,19 +82,29 @@ def _b(v: bool) -> str:
     return "true" if v else "false"
 
 
-def kernel_name(dtype: str, config: str, a_row: bool, b_row: bool, act: int) -> str:
-    """The NVRTC name expression of one matmul_simt instantiation."""
+def _epi_arg(act: int, epi: int) -> str:
+    """The trailing EPI template argument; "" for the matmul epilogue (the kernels' default)."""
+    if epi == EPI_STORE:
+        return ""
+    if epi not in SCALED_EPIS or act != -1:
+        raise ValueError(f"matmul_simt: no instantiation for epilogue {epi} with activation {act}")
+    return f", {epi}"
+
+
+def kernel_name(dtype: str, config: str, a_row: bool, b_row: bool, act: int, *, epi: int = EPI_STORE) -> str:
+    """The NVRTC name expression of one matmul_simt instantiation (`epi`: cukit/gemm.cuh's
+    epilogue; the scaled ones take act -1)."""
     cfg = CONFIGS[dtype][config].template_args
-    return f"matmul_simt<{DTYPES[dtype].ctype}, {cfg}, {_b(a_row)}, {_b(b_row)}, {act}>"
+    return f"matmul_simt<{DTYPES[dtype].ctype}, {cfg}, {_b(a_row)}, {_b(b_row)}, {act}{_epi_arg(act, epi)}>"
 
 
-def v1_name(dtype: str, act: int) -> str:
-    return f"matmul_v1<{DTYPES[dtype].ctype}, {act}>"
+def v1_name(dtype: str, act: int, *, epi: int = EPI_STORE) -> str:
+    return f"matmul_v1<{DTYPES[dtype].ctype}, {act}{_epi_arg(act, epi)}>"
 
 
 def _instantiations() -> dict[str, list[str]]:
-    # Small groups, so that a first call compiles ~1 s of code: one per (dtype, config, act), the
-    # four layouts together; v1 one group per dtype.
+    # Small groups, so that a first call compiles ~1 s of code: one per (dtype, config, act) and per
+    # (dtype, config, scaled epilogue), the four layouts together; v1 one group per dtype.
     groups: dict[str, list[str]] = {}
     for dtype, configs in CONFIGS.items():
         for config in configs:
@@ -97,7 +112,13 @@ def _instantiations() -> dict[str, list[str]]:
                 groups[f"{dtype}/{config}/act{act}"] = [
                     kernel_name(dtype, config, a, b, act) for a, b in LAYOUTS
                 ]
-        groups[f"{dtype}/v1"] = [v1_name(dtype, act) for act in ACTS]
+            for epi in SCALED_EPIS:
+                groups[f"{dtype}/{config}/{_EPI_NAMES[epi]}"] = [
+                    kernel_name(dtype, config, a, b, -1, epi=epi) for a, b in LAYOUTS
+                ]
+        groups[f"{dtype}/v1"] = [v1_name(dtype, act) for act in ACTS] + [
+            v1_name(dtype, -1, epi=epi) for epi in SCALED_EPIS
+        ]
     return groups
 
 
@@ -109,8 +130,12 @@ KERNELS = KernelModule(
 
 
 def supports(g: Gemm) -> bool:
-    """float32 with IEEE precision, or float64."""
-    return (g.dtype.name == "float32" and g.precision == "ieee") or g.dtype.name == "float64"
+    """float32 with IEEE precision, or float64; C in the input dtype, any epilogue (the scaled ones
+    without activation)."""
+    name = g.dtype.name
+    if not ((name == "float32" and g.precision == "ieee") or name == "float64") or g.out_dtype.name != name:
+        return False
+    return g.epilogue == EPI_STORE or g.act == -1
 
 
 def operand_layouts(g: Gemm) -> tuple[bool, bool]:
@@ -160,21 +185,27 @@ def _noop(head: tuple[int, ...], stream: Any) -> None:
 
 
 def prepare(g: Gemm, *, version: str = "simt", config: str | None = None) -> Callable[..., None]:
-    """A ready launch for every problem of ``g``'s signature, called as
-    ``run((a, b, c, bias), stream)`` with device pointers. version "simt" (fast) or "v1"
-    (reference); config "large" / "small" overrides :func:`choose_config`."""
+    """A ready launch for every problem of ``g``'s signature, called as ``run(head, stream)`` with
+    ``head`` shaped as ``g.head()`` (device pointers, then alpha and beta when ``g.scaled``).
+    version "simt" (fast) or "v1" (reference); config "large" / "small" overrides
+    :func:`choose_config`."""
     if not supports(g):
-        raise ValueError(f"matmul_simt takes float32 (precision 'ieee') or float64; got {g.dtype} {g.precision}")
+        raise ValueError(
+            f"matmul_simt takes float32 (precision 'ieee') or float64, C in the same dtype; got {g.dtype} "
+            f"{g.precision}, C {g.out_dtype}"
+        )
     if g.act not in ACTS:
         raise ValueError(f"matmul_simt: unknown activation id {g.act}")
     batch = g.batch_count
     if g.M <= 0 or g.N <= 0 or batch <= 0:
         return _noop
-    tail = g.kernel_args()[4:]
+    tail = g.kernel_tail()
+    epi = g.epilogue
     if version == "v1":
         gy, gz = min(-(-g.M // V1_TILE), _MAX_GRID_YZ), min(batch, _MAX_GRID_YZ)
         return KERNELS.prepare(
-            v1_name(g.dtype.name, g.act), (-(-g.N // V1_TILE), gy, gz), (V1_TILE, V1_TILE), tail, device=g.device
+            v1_name(g.dtype.name, g.act, epi=epi), (-(-g.N // V1_TILE), gy, gz), (V1_TILE, V1_TILE), tail,
+            device=g.device,
         )
     if version != "simt":
         raise ValueError(f"matmul_simt: version must be 'simt' or 'v1'; got {version!r}")
@@ -189,11 +220,12 @@ def prepare(g: Gemm, *, version: str = "simt", config: str | None = None) -> Cal
     gy, gz = _fold(batch * -(-g.M // bm))
     a_row, b_row = operand_layouts(g)
     return KERNELS.prepare(
-        kernel_name(g.dtype.name, config, a_row, b_row, g.act), (gx, gy, gz), (tile.threads,), tail, device=g.device
+        kernel_name(g.dtype.name, config, a_row, b_row, g.act, epi=epi), (gx, gy, gz), (tile.threads,), tail,
+        device=g.device,
     )
 
 
 def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = None) -> None:
     """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
-    with ``g``'s pointers."""
-    prepare(g, version=version, config=config)((g.a, g.b, g.c, g.bias), stream)
+    with ``g``'s pointers (and alpha, beta: ``g.head()``)."""
+    prepare(g, version=version, config=config)(g.head(), stream)

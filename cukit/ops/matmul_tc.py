@@ -1,8 +1,11 @@
 """Tensor-core matmul kernels: ``raw_kernels/matmul_tc.cu``.
 
 Inputs bfloat16 or float16 (fp32 accumulation), or float32 with precision "tf32" (each operand
-rounded to tf32 with ``cvt.rna``, fp32 accumulation); C in the input dtype, after the fused
-epilogue ``act(acc + bias)`` in fp32.
+rounded to tf32 with ``cvt.rna``, fp32 accumulation); C in the input dtype after the fused
+epilogue ``act(acc + bias)`` in fp32 (the matmul path), or with the scaled epilogues
+``alpha * (acc + bias) (+ beta * C)`` in the input dtype or float32, rows ``ldc`` apart
+(:class:`cukit.ops._gemm.Gemm`; ``matmul_tc`` and ``matmul_tc_tma`` run them, the cp.async wgmma
+kernel does not).
 
 The kernel contract is :class:`cukit.ops._gemm.Gemm`: any M, N, K (K == 0: C = act(bias)), either
 operand row- or column-major (by its unit stride; no transposed copies), up to three broadcast
@@ -46,12 +49,13 @@ import numpy as np
 from cukit._device import device_caps
 from cukit._runtime import KernelModule, Launch
 from cukit.interop import DTYPES
-from cukit.ops._gemm import GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_STORE, GEMM_SIGNATURE, Gemm
 
 __all__ = [
     "KERNELS",
     "KERNELS_SM90A",
     "LOADS",
+    "SCALED",
     "kernel_name",
     "launch",
     "load_path",
@@ -77,6 +81,15 @@ ACTS = (-1, 0, 1, 2, 3)
 LAYOUTS = ((True, True), (True, False), (False, True), (False, False))
 # Load paths instantiated per dtype (see the module docstring).
 LOADS: dict[str, tuple[int, ...]] = {"bfloat16": (1, 0), "float16": (1, 0), "float32": (1, 2)}
+# The scaled epilogues instantiated per input dtype, (C's dtype, EPI) (cukit/gemm.cuh): no
+# activation; C in the input dtype or, for 16-bit inputs, float32 (the fp32 accumulation's own
+# precision: dW += G^T X of a fused loss, optimizer statistics).
+SCALED: dict[str, tuple[tuple[str, int], ...]] = {
+    "bfloat16": tuple((out, epi) for out in ("float32", "bfloat16") for epi in (EPI_SCALE, EPI_ACCUMULATE)),
+    "float16": tuple((out, epi) for out in ("float32", "float16") for epi in (EPI_SCALE, EPI_ACCUMULATE)),
+    "float32": (("float32", EPI_SCALE), ("float32", EPI_ACCUMULATE)),
+}
+_EPI_NAMES = {EPI_SCALE: "scale", EPI_ACCUMULATE: "accumulate"}
 
 BM, BN, KB, THREADS = 128, 256, 128, 256  # must match raw_kernels/matmul_tc.cu
 STAGE = (BM + BN) * KB  # bytes of one A + B k-tile (48 KiB)
@@ -84,20 +97,41 @@ _MAX_GRID_Z = 65535
 _INT32_MAX = 2**31 - 1
 
 
-def kernel_name(dtype: str, act: int, a_k: bool, b_k: bool, load: int) -> str:
-    """The NVRTC name expression of one instantiation."""
-    return f"matmul_tc<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {load}>"
+def _scaled_args(dtype: str, out: str | None, epi: int) -> str:
+    """The trailing template arguments (C's type, EPI) of a scaled instantiation; "" for the
+    matmul epilogue (the kernels' defaults: C in the input type, EPI_STORE)."""
+    if epi == EPI_STORE:
+        if out not in (None, dtype):
+            raise ValueError(f"matmul_tc: the matmul epilogue writes C in the input dtype {dtype}; got {out}")
+        return ""
+    if (out or dtype, epi) not in SCALED[dtype]:
+        raise ValueError(f"matmul_tc: no scaled instantiation for {dtype} -> {out or dtype}, epilogue {epi}")
+    return f", {DTYPES[out or dtype].ctype}, {epi}"
+
+
+def kernel_name(
+    dtype: str, act: int, a_k: bool, b_k: bool, load: int, *, out: str | None = None, epi: int = EPI_STORE
+) -> str:
+    """The NVRTC name expression of one instantiation; `out` (C's dtype, None: the input's) and
+    `epi` select the scaled epilogues (:data:`SCALED`)."""
+    tail = _scaled_args(dtype, out, epi)
+    return f"matmul_tc<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {load}{tail}>"
 
 
 def _instantiations() -> dict[str, list[str]]:
     # One group per (dtype, load path, activation), its four layouts together (~2.5 s of NVRTC):
     # a model's forward (one activation) and backward (none, three layouts) compile two groups.
+    # The scaled epilogues: one group per (dtype, load path, C's dtype, EPI).
     groups: dict[str, list[str]] = {}
     for dtype, loads in LOADS.items():
         for load in loads:
             for act in ACTS:
                 groups[f"{dtype}/vec{load}/act{act}"] = [
                     kernel_name(dtype, act, a, b, load) for a, b in LAYOUTS
+                ]
+            for out, epi in SCALED[dtype]:
+                groups[f"{dtype}/vec{load}/{out}-{_EPI_NAMES[epi]}"] = [
+                    kernel_name(dtype, -1, a, b, load, out=out, epi=epi) for a, b in LAYOUTS
                 ]
     return groups
 
@@ -112,16 +146,28 @@ def wgmma_name(dtype: str, act: int, load: int) -> str:
     return f"matmul_tc_wgmma<{DTYPES[dtype].ctype}, {act}, {load}>"
 
 
-def tma_name(dtype: str, act: int, a_k: bool, b_k: bool, tile_n: int = 256, pingpong: bool | None = None) -> str:
+def tma_name(
+    dtype: str,
+    act: int,
+    a_k: bool,
+    b_k: bool,
+    tile_n: int = 256,
+    pingpong: bool | None = None,
+    *,
+    out: str | None = None,
+    epi: int = EPI_STORE,
+) -> str:
     """The NVRTC name expression of one TMA + wgmma instantiation (block tiles 128 x tile_n).
     `pingpong` None: the schedule :data:`TMA_PINGPONG` gives the width (128 x 256 tiles run
-    cooperatively, 128 x 128 ping-pong); True/False instantiates the other one (benchmarks)."""
+    cooperatively, 128 x 128 ping-pong); True/False instantiates the other one (benchmarks).
+    `out`, `epi`: as :func:`kernel_name`."""
     pp = TMA_PINGPONG[tile_n] if pingpong is None else pingpong
-    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {tile_n}, {int(pp)}>"
+    tail = _scaled_args(dtype, out, epi)
+    return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {tile_n}, {int(pp)}{tail}>"
 
 
-# map_a, map_b (CUtensorMap by value), C, bias, M, N, K, batch
-TMA_SIGNATURE = "b128 b128 ptr ptr i64 i64 i64 i64"
+# map_a, map_b (CUtensorMap by value), C, bias, alpha, beta, M, N, K, ldc, sc (C's batch stride), batch
+TMA_SIGNATURE = "b128 b128 ptr ptr f64 f64 i64 i64 i64 i64 i64 i64"
 TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
 # Block-tile widths of the TMA kernel (its template BN; the tiles are 128 x BN), widest first.
 TMA_TILE_N = (256, 128)
@@ -152,8 +198,8 @@ TMA_SMEM: dict[int, int] = {bn: TMA_STAGES[bn] * ((BM + bn) * KB + 16) + _TMA_OU
 # The sm_90a kernels (Hopper's warpgroup MMA): per (dtype, activation) one group of the cp.async
 # wgmma kernels (K-major A and B, both load paths) and per (dtype, activation, tile width) one of
 # the TMA kernels (4 layouts): a model's forward (its activation) and backward (none, 3 layouts)
-# compile the groups of the widths its shapes pick. `cukit check-kernels --arch sm_90` compiles
-# them for sm_90a.
+# compile the groups of the widths its shapes pick; per (dtype, tile width, C's dtype, EPI) one of
+# the scaled TMA kernels. `cukit check-kernels --arch sm_90` compiles them for sm_90a.
 KERNELS_SM90A = KernelModule(
     "matmul_tc.cu",
     instantiations={
@@ -166,6 +212,14 @@ KERNELS_SM90A = KernelModule(
             f"{dtype}/tma{bn}/act{act}": [tma_name(dtype, act, a, b, bn) for a, b in LAYOUTS]
             for dtype in ("bfloat16", "float16")
             for act in ACTS
+            for bn in TMA_TILE_N
+        },
+        **{
+            f"{dtype}/tma{bn}/{out}-{_EPI_NAMES[epi]}": [
+                tma_name(dtype, -1, a, b, bn, out=out, epi=epi) for a, b in LAYOUTS
+            ]
+            for dtype in ("bfloat16", "float16")
+            for out, epi in SCALED[dtype]
             for bn in TMA_TILE_N
         },
     },
@@ -253,8 +307,11 @@ def wgmma_smem_bytes(load: int) -> int:
 
 def uses_wgmma(g: Gemm, load: int | None = None) -> bool:
     """Whether the cp.async wgmma kernels can run ``g``: a compute capability 9.0 device (sm_90a
-    code runs there only), bfloat16/float16, A and B both K-major (x @ W.T), load path 0 or 1."""
+    code runs there only), bfloat16/float16, A and B both K-major (x @ W.T), load path 0 or 1,
+    the matmul epilogue (the scaled ones run on TMA or mma.sync)."""
     if g.dtype.name not in ("bfloat16", "float16") or operand_layouts(g) != (True, True):
+        return False
+    if g.epilogue != EPI_STORE:
         return False
     load = load_path(g) if load is None else load
     if load not in (0, 1):
@@ -486,13 +543,16 @@ def _device_caps(device: int) -> tuple[int, int]:
 
 def supports(g: Gemm) -> bool:
     """bfloat16 / float16 (any precision: they always accumulate in fp32), float32 with precision
-    "tf32"; on devices of compute capability 8.0+ with room for the tiles in shared memory
+    "tf32"; every epilogue (C in the input dtype or, scaled, float32 for 16-bit inputs: :data:`SCALED`);
+    on devices of compute capability 8.0+ with room for the tiles in shared memory
     (>= 144 KiB opt-in, >= 204 KiB for misaligned 16-bit operands: A100, H100, H200; not the
     consumer parts, which fall back to the SIMT family)."""
     name = g.dtype.name
     if not (name in ("bfloat16", "float16") or (name == "float32" and g.precision == "tf32")):
         return False
     if g.act not in ACTS:
+        return False
+    if g.epilogue != EPI_STORE and (g.act >= 0 or (g.out_dtype.name, g.epilogue) not in SCALED[name]):
         return False
     load = load_path(g)
     if load < 0:
@@ -530,15 +590,15 @@ class _TmaLaunch:
         m = maps[ptr] = tensor_map(self.dtype, ptr, *spec).tobytes()  # 128 bytes, as the launch packs them
         return m
 
-    def __call__(self, head: tuple[int, int, int, int], stream: Any) -> None:
-        a, b, c, bias = head
+    def __call__(self, head: tuple[Any, ...], stream: Any) -> None:
+        a, b = head[0], head[1]
         ma = self.a_maps.get(a)
         if ma is None:
             ma = self._map(self.a_maps, self.spa, a)
         mb = self.b_maps.get(b)
         if mb is None:
             mb = self._map(self.b_maps, self.spb, b)
-        self.launch((ma, mb, c, bias), stream)
+        self.launch((ma, mb, *head[2:]), stream)
 
 
 def _noop(head: tuple[int, ...], stream: Any) -> None:
@@ -548,9 +608,10 @@ def _noop(head: tuple[int, ...], stream: Any) -> None:
 def prepare(
     g: Gemm, *, version: str | None = None, load: int | None = None, tile_n: int | None = None
 ) -> Callable[..., None]:
-    """A ready launch for every problem of ``g``'s signature: call it as
-    ``run((a, b, c, bias), stream)`` with device pointers (those of ``g`` or any other arrays of
-    the same shapes, strides and 16-byte alignment). version None or "tc": the kernel
+    """A ready launch for every problem of ``g``'s signature: call it as ``run(head, stream)``
+    with ``head`` shaped as ``g.head()``: device pointers ``(a, b, c, bias)`` (those of ``g`` or
+    any other arrays of the same shapes, strides and 16-byte alignment), then ``(alpha, beta)``
+    when ``g.scaled``. version None or "tc": the kernel
     :func:`route` picks (TMA, then cp.async wgmma, then mma.sync); "tma", "wgmma", "mma": that one.
     `load` overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one) and
     `tile_n` the TMA kernel's block-tile width (:data:`TMA_TILE_N`; :func:`tma_tile_n` by default;
@@ -562,7 +623,7 @@ def prepare(
     if not supports(g):
         raise ValueError(
             f"matmul_tc takes bfloat16/float16, or float32 with precision 'tf32', on sm_80+; got {g.dtype} "
-            f"{g.precision} act={g.act}"
+            f"{g.precision} act={g.act} C {g.out_dtype} epilogue {g.epilogue}"
         )
     batch = g.batch_count
     if g.M <= 0 or g.N <= 0 or batch <= 0:
@@ -584,11 +645,12 @@ def prepare(
         tiles = -(-g.M // BM) * -(-g.N // bn) * nb
         grid = (min(tiles, sms),)
         a_k, b_k = operand_layouts(g)
+        tail = (g.M, g.N, g.K, g.ldc, g.sc_batch, nb)
         run = KERNELS_SM90A.prepare(
-            tma_name(g.dtype.name, g.act, a_k, b_k, bn),
+            tma_name(g.dtype.name, g.act, a_k, b_k, bn, **_scaled(g)),
             grid,
             (TMA_THREADS,),
-            (g.M, g.N, g.K, nb),
+            tail if g.scaled else (float(g.alpha), float(g.beta), *tail),
             device=g.device,
             shared_mem=TMA_SMEM[bn],
         )
@@ -603,13 +665,18 @@ def prepare(
         if smem == 0:
             raise ValueError(f"matmul_tc: load path {load} needs more shared memory than the device has")
         a_k, b_k = operand_layouts(g)
-        module, name = KERNELS, kernel_name(g.dtype.name, g.act, a_k, b_k, load)
-    return module.prepare(name, grid, (THREADS,), g.kernel_args()[4:], device=g.device, shared_mem=smem)
+        module, name = KERNELS, kernel_name(g.dtype.name, g.act, a_k, b_k, load, **_scaled(g))
+    return module.prepare(name, grid, (THREADS,), g.kernel_tail(), device=g.device, shared_mem=smem)
+
+
+def _scaled(g: Gemm) -> dict[str, Any]:
+    """kernel_name's / tma_name's `out` and `epi` for ``g``."""
+    return {} if g.epilogue == EPI_STORE else {"out": g.out_dtype.name, "epi": g.epilogue}
 
 
 def launch(
     g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None, tile_n: int | None = None
 ) -> None:
     """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
-    with ``g``'s pointers."""
-    prepare(g, version=version, load=load, tile_n=tile_n)((g.a, g.b, g.c, g.bias), stream)
+    with ``g``'s pointers (and alpha, beta: ``g.head()``)."""
+    prepare(g, version=version, load=load, tile_n=tile_n)(g.head(), stream)
