@@ -28,9 +28,9 @@ initial weights), on the same batches, with the same seed:
 - ``cukit``: ``cukit.nn.patch(copy)`` (every nn.Linear becomes ``cukit.nn.Linear`` and every HF
   Conv1D ``cukit.nn.Conv1D``, sharing the parameters, a following activation fused where exact;
   the report is printed once per model) and
-  ``cukit.optim.AdamW``. For the CNN, ``patch`` would only reach the classifier, so its cukit side
-  is the demo's own twin (im2col + ``cukit.matmul`` + ``cukit.bias_act`` convolutions,
-  ``cukit.nn.Linear`` head), as ``cukit demo`` trains it.
+  ``cukit.optim.AdamW``. For the CNN, ``patch`` swaps each nn.Conv2d for ``cukit.nn.Conv2d`` with
+  the following activation fused (one implicit-GEMM kernel per convolution) and the classifier for
+  ``cukit.nn.Linear``: the same modules as the twin ``cukit demo`` trains.
 - ``cukit-demo`` (MLP only): the demo's twin (``nn.Linear(bias=False)`` + ``cukit.nn.BiasAct``),
   beside the patched MLP.
 
@@ -501,18 +501,19 @@ def build_cnn(cfg: Config) -> Workload:
     from cukit import demo
 
     channels = CNN_CHANNELS_DRY if cfg.dry_run else CNN_CHANNELS
-    stock, twin = demo.cnn_models(DEMO_ACTIVATION, channels=channels, device=cfg.device, seed=cfg.seed)
+    stock, _ = demo.cnn_models(DEMO_ACTIVATION, channels=channels, device=cfg.device, seed=cfg.seed)
     _, cls_loss = _loss_wrappers()
     return Workload(
         name="cnn",
         title=(f"demo CNN 1x8x8, conv3x3 {'-'.join(map(str, channels))}, linear 10, {DEMO_ACTIVATION}, "
                f"batch {DEMO_BATCH}"),
-        builders={"torch": lambda: copy.deepcopy(stock), "cukit": lambda: copy.deepcopy(twin)},
+        builders={"torch": lambda: copy.deepcopy(stock), "cukit": _patched_copy(stock)},
         wrap=cls_loss,
         batches=gaussian_classes(cfg.steps, DEMO_BATCH, 64, 10, cfg.seed, cfg.device),
         lr=DEMO_LR, batch=DEMO_BATCH,
         meta={"channels": list(channels),
-              "cukit": "the demo's twin: unfold + cukit.matmul + cukit.bias_act convs, cukit.nn.Linear head"},
+              "cukit": "cukit.nn.patch: cukit.nn.Conv2d with the activation fused, cukit.nn.Linear head (the demo's "
+                       "twin)"},
     )
 
 

@@ -8,29 +8,61 @@ scalars are taken as ``numpy.asarray`` takes them (in the other argument's libra
 import importlib as _importlib
 import typing as _typing
 
-from cukit._api import batch_matmul, bias_act, bias_act_backward, linear, matmul
+from cukit._api import (
+    batch_matmul,
+    bias_act,
+    bias_act_backward,
+    conv2d,
+    geglu,
+    geglu_backward,
+    layer_norm,
+    layer_norm_backward,
+    linear,
+    linear_cross_entropy,
+    matmul,
+    rms_norm,
+    rms_norm_backward,
+    rotary_embedding,
+    rotary_embedding_backward,
+    swiglu,
+    swiglu_backward,
+)
 from cukit._device import device_info, is_available
 from cukit._runtime import KernelCompileError
 from cukit._warmup import warmup
 from cukit.interop import asarray, to_torch, use_torch_allocator
+from cukit.ops.linear_cross_entropy import LinearCrossEntropyOptions
 from cukit.ops.matmul import chunked_matmul, get_matmul_precision, set_matmul_precision
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KernelCompileError",
+    "LinearCrossEntropyOptions",
     "__version__",
     "asarray",
     "batch_matmul",
     "bias_act",
     "bias_act_backward",
     "chunked_matmul",
+    "conv2d",
     "device_info",
+    "geglu",
+    "geglu_backward",
     "get_matmul_precision",
     "is_available",
+    "layer_norm",
+    "layer_norm_backward",
     "linear",
+    "linear_cross_entropy",
     "matmul",
+    "rms_norm",
+    "rms_norm_backward",
+    "rotary_embedding",
+    "rotary_embedding_backward",
     "set_matmul_precision",
+    "swiglu",
+    "swiglu_backward",
     "to_torch",
     "use_torch_allocator",
     "warmup",

@@ -52,6 +52,11 @@ __all__ = [
 # Modules that declare kernels: importing them completes the loader's registry.
 KERNEL_OWNERS = (
     "cukit.ops.bias_act",
+    "cukit.ops.conv2d",
+    "cukit.ops.glu",
+    "cukit.ops.linear_cross_entropy",
+    "cukit.ops.rope",
+    "cukit.ops.norm",
     "cukit.ops.matmul_simt",
     "cukit.ops.matmul_tc",
     "cukit.ops.repack",
@@ -63,7 +68,12 @@ KERNEL_OWNERS = (
 # norm kernels for clipping.
 OPS: dict[str, tuple[str, ...]] = {
     "bias_act": ("bias_act.cu",),
+    "conv2d": ("conv2d.cu",),
+    "swiglu": ("glu.cu",),
+    "rotary_embedding": ("rope.cu",),
+    "rms_norm": ("norm.cu",),
     "matmul": ("matmul_simt.cu", "matmul_tc.cu", "repack.cu"),
+    "linear_cross_entropy": ("cross_entropy.cu", "matmul_simt.cu", "matmul_tc.cu", "repack.cu"),
     "adagrad": ("adagrad.cu", "multi_tensor_l2norm.cu"),
     "adam": ("adam.cu", "multi_tensor_l2norm.cu"),
     "lamb": ("lamb.cu", "multi_tensor_l2norm.cu"),
@@ -74,6 +84,13 @@ OPS: dict[str, tuple[str, ...]] = {
 # Other public names of the same kernels.
 _ALIASES: dict[str, str] = {
     "bias_act_backward": "bias_act",
+    "swiglu_backward": "swiglu",
+    "geglu": "swiglu",
+    "geglu_backward": "swiglu",
+    "rotary_embedding_backward": "rotary_embedding",
+    "rms_norm_backward": "rms_norm",
+    "layer_norm": "rms_norm",
+    "layer_norm_backward": "rms_norm",
     "linear": "matmul",
     "batch_matmul": "matmul",
     "chunked_matmul": "matmul",

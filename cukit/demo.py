@@ -14,9 +14,11 @@ options and returns rows for the table plus notes:
 * ``mlp``: 64 -> 256 -> 256 -> 10 MLP. Stock: ``nn.Linear`` (with bias) + the activation from
   ``torch.nn.functional``. cukit: ``nn.Linear(bias=False)`` + :class:`cukit.nn.BiasAct`.
 * ``cnn``: the images as 1x8x8: conv 3x3 1 -> 16, act, conv 3x3 16 -> 32, act, flatten, linear
-  2048 -> 10. Stock: ``nn.Conv2d`` + the activation + ``nn.Linear``. cukit: each convolution is
-  ``F.unfold`` (im2col) + :func:`cukit.matmul` + :func:`cukit.bias_act` (:class:`MatmulConv2d`),
-  the classifier :class:`cukit.nn.Linear`.
+  2048 -> 10. Stock: ``nn.Conv2d`` + the activation + ``nn.Linear``. cukit: each convolution with
+  its bias and activation is one :class:`cukit.nn.Conv2d` (an implicit-GEMM kernel with the bias
+  and activation in its epilogue; its backward two or three kernels), the classifier
+  :class:`cukit.nn.Linear`. (:class:`MatmulConv2d`, im2col + :func:`cukit.matmul`, is the older
+  twin, kept for ``examples/cnn_matmul_kernels.py``: ``cnn_models(..., conv="im2col")``.)
 
 Usage::
 
@@ -473,7 +475,7 @@ def run_mlp(
 # ---------------------------------------------------------------------------------------------
 
 #: Largest acceptable max |loss_torch - loss_cukit| for the CNN: the MLP's. The two convolutions
-#: sum in different orders (torch's conv algorithm vs an im2col GEMM), but the loss is insensitive
+#: sum in different orders (torch's conv algorithm vs cukit's implicit GEMM), but the loss is insensitive
 #: to that: on the CPU the curves differ by ~1e-7, and perturbing every conv GEMM of the cukit
 #: variant by random relative noise of 1e-5 (100x float32 rounding) moves the loss by at most
 #: 1.5e-6 over 345 steps, by 1.7e-4 at 1e-3 (TF32-sized errors). 1e-3 leaves room for the GPU's
@@ -483,12 +485,12 @@ CNN_LOSS_TOLERANCE = LOSS_TOLERANCE
 CNN_EPOCHS = 10  # default epochs of the cnn experiment (~97% test accuracy)
 
 
-def matmul_missing() -> str | None:
-    """Why the cnn experiment cannot run (``cukit.matmul`` / ``cukit.nn.Linear`` missing), or None."""
+def cnn_missing() -> str | None:
+    """Why the cnn experiment cannot run (``cukit.nn.Conv2d`` / ``cukit.nn.Linear`` missing), or None."""
     try:
         import cukit.nn
 
-        missing = [n for n, ok in (("cukit.matmul", hasattr(cukit, "matmul")),
+        missing = [n for n, ok in (("cukit.nn.Conv2d", hasattr(cukit.nn, "Conv2d")),
                                    ("cukit.nn.Linear", hasattr(cukit.nn, "Linear"))) if not ok]
     except Exception as e:  # pragma: no cover - a broken install
         return f"{type(e).__name__}: {e}"
@@ -496,7 +498,8 @@ def matmul_missing() -> str | None:
 
 
 class MatmulConv2d(nn.Module):
-    """A stride-1 2-D convolution + bias + activation computed as im2col + GEMM with cukit:
+    """A stride-1 2-D convolution + bias + activation computed as im2col + GEMM with cukit (the
+    demo's first CNN twin; :class:`cukit.nn.Conv2d` does it in one kernel):
 
     ``cols = F.unfold(x)`` (B, C*kh*kw, L), ``y = cukit.matmul(cols^T, weight2d^T)`` (B, L, out),
     ``y = cukit.bias_act(y, bias, activation)`` (bias over the last dim: fused with the
@@ -551,19 +554,24 @@ def cnn_models(
     classes: int = 10,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    conv: str = "conv2d",
 ) -> tuple[nn.Sequential, nn.Sequential]:
     """The stock CNN and its cukit twin, with identical initial weights.
 
     Both take the flat 64-feature rows of :class:`Digits` and view them as 1-channel images.
     Stock: ``(Conv2d(3x3, pad 1) -> act) x len(channels) -> Flatten -> Linear``. cukit:
-    ``MatmulConv2d x len(channels) -> Flatten -> cukit.nn.Linear``. The stock model is
-    initialised under ``torch.manual_seed(seed)`` and its parameters are copied into the cukit
-    model.
+    ``cukit.nn.Conv2d(3x3, pad 1, activation=act) x len(channels) -> Flatten -> cukit.nn.Linear``
+    (``conv="conv2d"``: the bias and activation fused into each convolution's kernel), or
+    ``MatmulConv2d`` (im2col + ``cukit.matmul`` + ``cukit.bias_act``) for each convolution
+    (``conv="im2col"``). The stock model is initialised under ``torch.manual_seed(seed)`` and its
+    parameters are copied into the cukit model.
     """
     import cukit.nn
 
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    if conv not in ("conv2d", "im2col"):
+        raise ValueError(f"conv must be 'conv2d' or 'im2col'; got {conv!r}")
     torch.manual_seed(seed)
     fans = list(itertools.pairwise([1, *channels]))
     convs = [nn.Conv2d(a, b, 3, padding=1, device=device) for a, b in fans]
@@ -572,12 +580,15 @@ def cnn_models(
     stock: list[nn.Module] = [nn.Unflatten(1, (1, *image))]
     fused: list[nn.Module] = [nn.Unflatten(1, (1, *image))]
     with torch.no_grad():
-        for conv, (a, b) in zip(convs, fans, strict=True):
-            mconv = MatmulConv2d(a, b, 3, padding=1, activation=activation, device=device)
-            mconv.weight.copy_(conv.weight)
-            mconv.bias.copy_(conv.bias)
-            stock += [conv, torch_activation(activation)]
-            fused.append(mconv)
+        for layer, (a, b) in zip(convs, fans, strict=True):
+            if conv == "conv2d":
+                twin: nn.Module = cukit.nn.Conv2d(a, b, 3, padding=1, device=device, activation=activation)
+            else:
+                twin = MatmulConv2d(a, b, 3, padding=1, activation=activation, device=device)
+            twin.weight.copy_(layer.weight)
+            twin.bias.copy_(layer.bias)
+            stock += [layer, torch_activation(activation)]
+            fused.append(twin)
         fused_head = cukit.nn.Linear(features, classes, device=device)
         fused_head.weight.copy_(head.weight)
         fused_head.bias.copy_(head.bias)
@@ -590,8 +601,9 @@ def cnn_models(
 def _ieee_float32() -> Iterator[None]:
     """torch's float32 convolutions and matmuls in full float32 (no TF32) while the CNN trains.
 
-    cuDNN convolutions use TF32 by default on Ampere and newer GPUs, and cukit.matmul's default
-    precision is IEEE float32: the comparison is between equal precisions. Restored on exit.
+    cuDNN convolutions use TF32 by default on Ampere and newer GPUs; cukit's convolution kernels
+    and cukit.matmul's default precision are IEEE float32: the comparison is between equal
+    precisions. Restored on exit.
     """
     cudnn, cuda_mm = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = (cudnn.allow_tf32, cuda_mm.allow_tf32)
@@ -616,17 +628,18 @@ def run_cnn(
     warmup_steps: int = 10,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Train the digits CNN with stock torch and with cukit (im2col + cukit.matmul); return the
-    numbers, in the same form as :func:`run_mlp` (``"sizes"`` is replaced by ``"channels"`` and
-    ``"architecture"``).
+    """Train the digits CNN with stock torch and with cukit (``cukit.nn.Conv2d`` with the
+    activation fused, ``cukit.nn.Linear``); return the numbers, in the same form as
+    :func:`run_mlp` (``"sizes"`` is replaced by ``"channels"`` and ``"architecture"``).
 
     Both variants train in IEEE float32 (TF32 off for torch's convolutions and matmuls while they
-    train; cukit.matmul's default precision is "ieee"). On the CPU cukit.matmul runs its torch
-    fallback. `optimizer` and `cukit_optimizer` as in :func:`run_mlp`. Raises RuntimeError when cukit.matmul or cukit.nn.Linear is not available.
+    train; cukit's kernels compute in IEEE float32). On the CPU cukit's layers run their torch
+    references. `optimizer` and `cukit_optimizer` as in :func:`run_mlp`. Raises RuntimeError when
+    cukit.nn.Conv2d or cukit.nn.Linear is not available.
     """
-    why = matmul_missing()
+    why = cnn_missing()
     if why:
-        raise RuntimeError(f"the cnn experiment needs cukit.matmul and cukit.nn.Linear: {why}")
+        raise RuntimeError(f"the cnn experiment needs cukit.nn.Conv2d and cukit.nn.Linear: {why}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
     if epochs < 1 or batch_size < 1:
@@ -641,7 +654,7 @@ def run_cnn(
         Variant("torch", f"nn.Conv2d + F.{activation} + nn.Linear", stock, optimizer),
         Variant(
             "cukit",
-            "unfold + cukit.matmul + cukit.bias_act, cukit.nn.Linear",
+            f"cukit.nn.Conv2d(activation={activation!r}) + cukit.nn.Linear",
             fused,
             _cukit_factory(optimizer, cukit_optimizer),
         ),
@@ -760,9 +773,9 @@ def mlp_experiment(opts: DemoOptions) -> ExperimentResult:
 
 
 def cnn_experiment(opts: DemoOptions) -> ExperimentResult:
-    """The digits CNN, stock torch vs im2col + ``cukit.matmul`` (see :func:`run_cnn`). Skipped,
-    with a note, while cukit.matmul is not available."""
-    why = matmul_missing()
+    """The digits CNN, stock torch vs ``cukit.nn.Conv2d`` + ``cukit.nn.Linear`` (see
+    :func:`run_cnn`). Skipped, with a note, while those are not available."""
+    why = cnn_missing()
     if why:
         return ExperimentResult("cnn", f"cnn: skipped ({why})", [], [f"cnn: skipped: {why}"], ok=True)
     r = run_cnn(

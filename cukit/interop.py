@@ -216,7 +216,6 @@ def dtype_of(x: Any) -> DType:
 
 
 _NAMES_NUMPY: dict[Any, str] = {}  # NumPy/CuPy dtype -> name
-_NAMES_TORCH: dict[Any, str] = {}  # torch.dtype -> name (apart: NumPy dtypes compare with anything)
 
 
 def dtype_name(x: Any, kind: str | None = None) -> str:
@@ -227,10 +226,9 @@ def dtype_name(x: Any, kind: str | None = None) -> str:
     it on every call."""
     d = x.dtype
     if (kind or array_kind(x)) == "torch":
-        name = _NAMES_TORCH.get(d)
-        if name is None:
-            name = _NAMES_TORCH[d] = str(d).removeprefix("torch.")
-        return name
+        # not cached: filling a cache while dynamo traces a call makes a guard on the cache's
+        # contents that fails in the frame that made it (torch's str(dtype) is cheap anyway)
+        return str(d).removeprefix("torch.")
     name = _NAMES_NUMPY.get(d)
     if name is None:
         name = _NAMES_NUMPY[d] = np.dtype(d).name

@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch")
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 RESULTS = BENCH_DIR / "results"
-BENCHES = ("bench_bias_act", "bench_matmul", "bench_optim", "bench_host", "bench_models")
+BENCHES = ("bench_bias_act", "bench_matmul", "bench_optim", "bench_host", "bench_models", "bench_norm", "bench_glu",
+           "bench_rope", "bench_linear_cross_entropy")
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, str]]:

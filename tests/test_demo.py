@@ -186,8 +186,8 @@ def test_auto_device_is_cpu_without_gpu() -> None:
 def test_demo_on_cuda_agrees_with_cukit_optim_kernels(experiment: str) -> None:
     """On the GPU the cukit variant's step is cukit.optim.AdamW's fused kernel (flat gradients):
     its loss curve must still follow torch.optim.AdamW's within the demo's tolerance."""
-    if experiment == "cnn" and demo.matmul_missing() is not None:
-        pytest.skip(f"cnn experiment: {demo.matmul_missing()}")
+    if experiment == "cnn" and demo.cnn_missing() is not None:
+        pytest.skip(f"cnn experiment: {demo.cnn_missing()}")
     run = demo.run_mlp if experiment == "mlp" else demo.run_cnn
     r = run(epochs=2, device="cuda", seed=0)
     assert r["torch_device"].startswith("cuda")
@@ -198,22 +198,22 @@ def test_demo_on_cuda_agrees_with_cukit_optim_kernels(experiment: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The cnn experiment: im2col + cukit.matmul convolutions, cukit.nn.Linear classifier
+# The cnn experiment: cukit.nn.Conv2d convolutions (activation fused), cukit.nn.Linear classifier
 # ---------------------------------------------------------------------------------------------
 
-needs_matmul = pytest.mark.skipif(
-    demo.matmul_missing() is not None, reason=f"cnn experiment: {demo.matmul_missing()}"
+needs_cnn = pytest.mark.skipif(
+    demo.cnn_missing() is not None, reason=f"cnn experiment: {demo.cnn_missing()}"
 )
 
 
 @pytest.fixture(scope="module")
 def cnn_cpu() -> dict:
-    if demo.matmul_missing() is not None:
-        pytest.skip(f"cnn experiment: {demo.matmul_missing()}")
+    if demo.cnn_missing() is not None:
+        pytest.skip(f"cnn experiment: {demo.cnn_missing()}")
     return demo.run_cnn(epochs=2, device="cpu", seed=0)
 
 
-@needs_matmul
+@needs_cnn
 def test_run_cnn_learns_and_variants_agree(cnn_cpu: dict) -> None:
     r = cnn_cpu
     assert r["device"] == "CPU" and r["torch_device"] == "cpu"
@@ -232,15 +232,16 @@ def test_run_cnn_learns_and_variants_agree(cnn_cpu: dict) -> None:
     assert abs(t["test_accuracy"] - c["test_accuracy"]) <= 1 / r["n_test"] + 1e-9
 
 
-@needs_matmul
+@needs_cnn
 def test_cnn_models_start_identical() -> None:
     import cukit.nn
 
     stock, fused = demo.cnn_models("gelu", channels=(4, 8), seed=3)
-    convs = [m for m in stock if isinstance(m, torch.nn.Conv2d)]
-    mconvs = [m for m in fused if isinstance(m, demo.MatmulConv2d)]
-    assert len(convs) == len(mconvs) == 2
-    for a, b in zip(convs, mconvs, strict=True):
+    convs = [m for m in stock if type(m) is torch.nn.Conv2d]
+    twins = [m for m in fused if isinstance(m, cukit.nn.Conv2d)]
+    assert len(convs) == len(twins) == 2 and len(fused) == len(stock) - 2  # activations fused
+    assert all(m.activation == "gelu" for m in twins)
+    for a, b in zip(convs, twins, strict=True):
         assert a.weight.shape == b.weight.shape and torch.equal(a.weight, b.weight)
         assert torch.equal(a.bias, b.bias)
     head, fused_head = stock[-1], fused[-1]
@@ -250,12 +251,15 @@ def test_cnn_models_start_identical() -> None:
     x = torch.randn(5, 64)
     torch.testing.assert_close(fused(x), stock(x), rtol=1e-5, atol=1e-5)
     # the same seed builds the same stock weights
-    stock2, _ = demo.cnn_models("gelu", channels=(4, 8), seed=3)
+    stock2, old = demo.cnn_models("gelu", channels=(4, 8), seed=3, conv="im2col")
     for p, q in zip(stock.parameters(), stock2.parameters(), strict=True):
         assert torch.equal(p, q)
+    # the im2col twin (examples/cnn_matmul_kernels.py) computes the same
+    assert sum(isinstance(m, demo.MatmulConv2d) for m in old) == 2
+    torch.testing.assert_close(old(x), stock(x), rtol=1e-5, atol=1e-5)
 
 
-@needs_matmul
+@needs_cnn
 @pytest.mark.parametrize(("activation", "padding", "shape"), [
     ("relu", 1, (3, 2, 8, 8)),
     ("silu", 0, (2, 3, 7, 5)),  # no padding, non-square: the output is smaller than the input
@@ -283,7 +287,7 @@ def test_matmul_conv2d_matches_conv2d(activation: str, padding: int, shape: tupl
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@needs_matmul
+@needs_cnn
 def test_cnn_optimizer_is_one_argument() -> None:
     built: list[type] = []
 
@@ -297,7 +301,7 @@ def test_cnn_optimizer_is_one_argument() -> None:
     assert r["channels"] == [4] and r["loss_max_abs_diff"] < 1e-4
 
 
-@needs_matmul
+@needs_cnn
 def test_main_prints_cnn_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert "cnn" in demo.EXPERIMENTS
     assert demo.main(["--epochs", "1", "--device", "cpu"]) == 0
@@ -307,23 +311,25 @@ def test_main_prints_cnn_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert [line.split()[:2] for line in table] == [
         ["mlp", "torch"], ["mlp", "cukit"], ["cnn", "torch"], ["cnn", "cukit"]
     ]
-    assert "cukit.matmul" in out and "nn.Conv2d" in out
+    assert "cukit.nn.Conv2d" in out and "nn.Conv2d" in out
 
 
-def test_cnn_skipped_with_a_note_without_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(demo, "matmul_missing", lambda: "cukit.matmul not available")
+def test_cnn_skipped_with_a_note_without_cukit_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "cnn_missing", lambda: "cukit.nn.Conv2d not available")
     opts = demo.DemoOptions(device=torch.device("cpu"), epochs=1)
     r = demo.cnn_experiment(opts)
     assert r.ok and r.rows == [] and "skipped" in r.notes[0]
-    with pytest.raises(RuntimeError, match=r"cukit\.matmul"):
+    with pytest.raises(RuntimeError, match=r"cukit\.nn\.Conv2d"):
         demo.run_cnn(epochs=1, device="cpu")
 
 
 def test_cnn_bad_arguments() -> None:
     with pytest.raises(ValueError, match="activation"):
         demo.MatmulConv2d(1, 2, 3, activation="tanh")
-    if demo.matmul_missing() is None:
+    if demo.cnn_missing() is None:
         with pytest.raises(ValueError, match="activation"):
             demo.run_cnn(epochs=1, device="cpu", activation="tanh")
         with pytest.raises(ValueError, match="epochs"):
             demo.run_cnn(epochs=0, device="cpu")
+        with pytest.raises(ValueError, match="conv must be"):
+            demo.cnn_models("relu", conv="unfold")

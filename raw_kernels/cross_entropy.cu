@@ -1,0 +1,407 @@
+// cross_entropy.cu: the row kernels of cukit.linear_cross_entropy. Host side, chunking and the
+// references (the maths of every kernel, in torch): cukit/ops/linear_cross_entropy.py.
+//
+// The host loops over chunks of tokens: a GEMM writes a chunk's raw logits x_c @ W^T into an A
+// workspace (A = acc_t<T>: fp32, fp64 for fp64) with row stride `ld`; ce_rows turns each row into
+// its log-sum-exp, its loss and (optionally) its gradient d loss / d logits, written over the same
+// row as T; two GEMMs then read that gradient for dx and dW. One row is
+//   z_c = cap(raw_c + b_c),  cap(u) = s tanh(u / s) (softcap s > 0) or u,
+//   lse = log sum_c exp z_c,
+//   loss = (1 - eps) w_y (lse - z_y) + (eps / V) (W lse - sum_c w_c z_c) + zl lse^2  (0 if ignored)
+// with class weights w (all 1 without), W = sum_c w_c, label smoothing eps and z-loss zl, and
+//   d loss / d z_c = u [((1 - eps) w_y + (eps / V) W + 2 zl lse) p_c - (1 - eps) w_y [c = y]
+//                     - (eps / V) w_c] + v p_c,      p_c = exp(z_c - lse),
+// times cap'(u_c) = 1 - (z_c / s)^2, where u is the upstream gradient of the row's loss and v that
+// of its lse. An ignored row has u = 0; a target outside [0, V) that is not ignore_index makes the
+// row's loss and gradient NaN (the kernels cannot raise, and a host check would be a sync).
+//
+// Workspace layout: row r starts at ws + r * ld (ld a multiple of the 16-byte vector, rows 16-byte
+// aligned); the gradient of row r is written as T from the same address, so the T gradient matrix
+// has row stride ld * sizeof(A) / sizeof(T) elements and needs no memory of its own.
+#include <cukit/dtypes.cuh>
+#include <cukit/vec.cuh>
+
+using namespace cukit;
+
+// The 16-bit types use the hardware's approximate exp (and a tanh built on it): their relative
+// error (~1e-6) is far below one rounding to 16 bits. float and double use the libm functions.
+template <typename T> constexpr bool kFast = sizeof(T) == 2;
+
+template <bool FAST> __device__ __forceinline__ float exp_(float x) { return FAST ? __expf(x) : expf(x); }
+template <bool FAST> __device__ __forceinline__ double exp_(double x) { return exp(x); }
+__device__ __forceinline__ float log_(float x) { return logf(x); }
+__device__ __forceinline__ double log_(double x) { return log(x); }
+template <bool FAST> __device__ __forceinline__ float tanh_(float x) {
+  // 1 - 2 / (1 + e^{2x}): absolute error ~1e-7 (its relative error near 0 does not matter: the
+  // result is multiplied by the cap and added to nothing)
+  return FAST ? 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x)) : tanhf(x);
+}
+template <bool FAST> __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
+
+template <typename A> __device__ __forceinline__ A quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fffffff); }
+template <> __device__ __forceinline__ double quiet_nan<double>() { return __longlong_as_double(0x7fffffffffffffffLL); }
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+  return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
+}
+
+constexpr int kMaxWarps = 32;
+
+// -------------------------------------------------------------------------------------------------
+// Block reductions (fixed order: the results are bitwise reproducible for a launch configuration)
+// -------------------------------------------------------------------------------------------------
+
+// A running log-sum-exp: max m and sum s of exp(z - m), plus a plain sum t (label smoothing's
+// sum_c w_c z_c).
+template <typename A> struct Lse {
+  A m, s, t;
+};
+
+// exp(a - b) for b >= a, exactly 1 when they are equal (so -inf - -inf is never formed).
+template <bool FAST, typename A> __device__ __forceinline__ A rescale(A a, A b) {
+  return a == b ? A(1) : exp_<FAST>(a - b);
+}
+
+template <bool FAST, typename A> __device__ __forceinline__ Lse<A> combine(Lse<A> a, Lse<A> b) {
+  const A m = fmax(a.m, b.m);  // NaN logits reach s through exp below, not through m
+  Lse<A> r;
+  r.m = m;
+  r.s = a.s * rescale<FAST>(a.m, m) + b.s * rescale<FAST>(b.m, m);
+  r.t = a.t + b.t;
+  return r;
+}
+
+template <typename A> __device__ __forceinline__ A shfl_down(A v, int d) { return __shfl_down_sync(0xffffffffu, v, d); }
+
+// The block's combined Lse, valid in every thread. Uses (and ends with a barrier on) `red`.
+template <bool FAST, typename A> __device__ Lse<A> block_lse(Lse<A> v, Lse<A>* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    Lse<A> o;
+    o.m = shfl_down(v.m, d);
+    o.s = shfl_down(v.s, d);
+    o.t = shfl_down(v.t, d);
+    v = combine<FAST>(v, o);
+  }
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    Lse<A> w = lane < warps ? red[lane] : Lse<A>{neg_inf<A>(), A(0), A(0)};
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      Lse<A> o;
+      o.m = shfl_down(w.m, d);
+      o.s = shfl_down(w.s, d);
+      o.t = shfl_down(w.t, d);
+      w = combine<FAST>(w, o);
+    }
+    if (lane == 0) red[kMaxWarps] = w;
+  }
+  __syncthreads();
+  return red[kMaxWarps];
+}
+
+// The block's sum of v (and of c), valid in thread 0. Uses `red` (2 * (kMaxWarps + 1) entries).
+template <typename A> __device__ void block_sum2(A& v, A& c, A* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    v += shfl_down(v, d);
+    c += shfl_down(c, d);
+  }
+  if (lane == 0) {
+    red[warp] = v;
+    red[kMaxWarps + 1 + warp] = c;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < warps ? red[lane] : A(0);
+    c = lane < warps ? red[kMaxWarps + 1 + lane] : A(0);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      v += shfl_down(v, d);
+      c += shfl_down(c, d);
+    }
+  }
+  __syncthreads();
+}
+
+// -------------------------------------------------------------------------------------------------
+// ce_rows: one block per row (a grid-stride loop over the chunk's rows)
+// -------------------------------------------------------------------------------------------------
+
+enum Mode : int {
+  MODE_LOSS = 0,    // lse and loss per row; the workspace is only read
+  MODE_GRAD = 1,    // lse, loss and the gradient with u = 1 (the forward of 'mean'/'sum': the
+                    // reduction's scale and the upstream gradient are applied to dx, dW, db later)
+  MODE_REGRAD = 2,  // the gradient from a saved lse with per-row u and v (the recomputing backward)
+};
+
+template <typename T, typename A, bool FAST> struct Logit {
+  const T* bias;
+  A cap, inv_cap;  // cap == 0: no soft-capping
+  __device__ __forceinline__ A operator()(A raw, long long c) const {
+    A u = bias != nullptr ? raw + to_acc<A>(bias[c]) : raw;
+    return cap > A(0) ? cap * tanh_<FAST>(u * inv_cap) : u;
+  }
+  // d z / d u from z: 1 - tanh^2
+  __device__ __forceinline__ A slope(A z) const {
+    if (cap > A(0)) {
+      const A t = z * inv_cap;
+      return A(1) - t * t;
+    }
+    return A(1);
+  }
+};
+
+// Pass 2 writes row r's gradient as T over the row's own A values. When T is narrower than A
+// (sizeof(A) == 2 sizeof(T)) element c of the gradient lands on A element c / 2, which another
+// thread may not have read yet: iteration k (vectors [k B, (k + 1) B) of a B-thread block) writes
+// over the A elements read in iteration k / 2. So there is a barrier between the reads and the
+// writes of iteration 0 and one at the start of every iteration k that is a power of two: all reads
+// of iterations < k are then done before any write of iterations [k, 2k). About log2(V / (4 B))
+// barriers per row, not one per iteration. Nothing read is ever written first (writes trail reads),
+// so the loads need no coherence beyond program order.
+//
+// Arguments (ws and the T view alias: no __restrict__ on them):
+//   ws (rows, ld) A        raw logits in; MODE_GRAD/REGRAD: the T gradient out (see the layout above)
+//   bias (V,) T or null; target (rows,) Y; cw (V,) A class weights or null
+//   stats: [scale of the loss, scale of the gradient, sum of the class weights] (ce_stats)
+//   row_grad (rows,) A or null: u per row (MODE_REGRAD, reduction 'none'); else
+//   grad0 (1,) A or null: u = grad0[0] * stats[1] (MODE_REGRAD, 'mean'/'sum')
+//   lse_grad (rows,) A or null: v per row (MODE_REGRAD)
+//   lse (rows,) A: written (MODE_LOSS, MODE_GRAD) or read (MODE_REGRAD); row_loss (rows,) A: written
+//   eps, z_loss, softcap: host constants (as double, converted to A)
+template <typename T, typename Y, int MODE>
+__global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __restrict__ target,
+                        const acc_t<T>* __restrict__ cw, const acc_t<T>* __restrict__ stats,
+                        const acc_t<T>* __restrict__ row_grad, const acc_t<T>* __restrict__ grad0,
+                        const acc_t<T>* __restrict__ lse_grad, acc_t<T>* __restrict__ lse,
+                        acc_t<T>* __restrict__ row_loss, long long rows, long long V, long long ld,
+                        long long ignore_index, double eps_d, double z_loss_d, double softcap_d) {
+  using A = acc_t<T>;
+  constexpr bool FAST = kFast<T>;
+  constexpr int VEC = 16 / sizeof(A);
+  constexpr bool kNarrow = sizeof(T) < sizeof(A);
+  static_assert(sizeof(A) == sizeof(T) || sizeof(A) == 2 * sizeof(T), "T must be A or half its width");
+  __shared__ Lse<A> red[kMaxWarps + 1];
+
+  const A eps = A(eps_d), zl = A(z_loss_d);
+  const Logit<T, A, FAST> logit{bias, A(softcap_d), softcap_d > 0 ? A(1.0 / softcap_d) : A(0)};
+  const long long nvec = V / VEC;
+  const long long tail0 = nvec * VEC;  // the last V % VEC elements are handled one per thread
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const long long iters = (nvec + nt - 1) / nt;
+  const A w_total = stats[2];
+
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    A* row = ws + r * ld;
+    const long long y = static_cast<long long>(target[r]);
+    const bool valid = y != ignore_index;
+    const bool bad = valid && (y < 0 || y >= V);
+    const A w_y = !valid ? A(0) : bad ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
+
+    A row_lse;
+    if constexpr (MODE != MODE_REGRAD) {
+      // Pass 1: online max / sum of exp over the row, two vectors in flight per thread.
+      Lse<A> acc{neg_inf<A>(), A(0), A(0)};
+      // One exp per element: the sum is rescaled only when the running max grows (rarely, after
+      // the first elements). -inf adds 0 (also when the max is still -inf); NaN poisons the sum.
+      auto take = [&](A z, long long c) {
+        if (z > acc.m) {
+          acc.s = acc.s * exp_<FAST>(acc.m - z) + A(1);
+          acc.m = z;
+        } else if (z == z) {
+          acc.s += acc.m == neg_inf<A>() ? A(0) : exp_<FAST>(z - acc.m);
+        } else {
+          acc.s = z;
+        }
+        if (eps != A(0)) acc.t += cw != nullptr ? cw[c] * z : z;
+      };
+      for (long long v = tid; v < nvec; v += 2 * static_cast<long long>(nt)) {
+        const long long v2 = v + nt;
+        const Vec<A, VEC> a = load_vec<A, VEC>(row + v * VEC);
+        Vec<A, VEC> b;
+        if (v2 < nvec) b = load_vec<A, VEC>(row + v2 * VEC);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) take(logit(a.v[k], v * VEC + k), v * VEC + k);
+        if (v2 < nvec) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) take(logit(b.v[k], v2 * VEC + k), v2 * VEC + k);
+        }
+      }
+      if (tail0 + tid < V) take(logit(row[tail0 + tid], tail0 + tid), tail0 + tid);
+      // the target's logit, read before the barriers below (pass 2 may overwrite it after them)
+      const A z_y = tid == 0 && valid && !bad ? logit(row[y], y) : A(0);
+      const Lse<A> all = block_lse<FAST>(acc, red);
+      row_lse = all.m + log_(all.s);
+      if (tid == 0) {
+        A loss = A(0);
+        if (valid) {
+          loss = (A(1) - eps) * w_y * (row_lse - z_y);
+          if (eps != A(0)) loss += eps / A(V) * (w_total * row_lse - all.t);  // all.t = sum_c w_c z_c
+          if (zl != A(0)) loss += zl * row_lse * row_lse;
+          if (bad) loss = quiet_nan<A>();
+        }
+        lse[r] = row_lse;
+        row_loss[r] = loss;
+      }
+    } else {
+      row_lse = lse[r];
+    }
+
+    if constexpr (MODE != MODE_LOSS) {
+      // Pass 2: the gradient. Per-row coefficients: g_c = cp p_c - cy [c = y] - cw_ w_c.
+      A u, v = A(0);
+      if constexpr (MODE == MODE_GRAD) {
+        u = A(1);
+      } else {
+        u = row_grad != nullptr ? row_grad[r] : grad0[0] * stats[1];
+        if (lse_grad != nullptr) v = lse_grad[r];
+      }
+      A cp = v, cy = A(0), cwc = A(0);
+      if (valid) {
+        const A a = (A(1) - eps) * w_y;
+        cp += u * (a + eps / A(V) * w_total + A(2) * zl * row_lse);
+        cy = u * a;
+        cwc = u * eps / A(V);
+        if (bad) cp = cy = cwc = quiet_nan<A>();
+      }
+      T* grow = reinterpret_cast<T*>(row);
+      auto grad = [&](A z, long long c) {
+        A g = cp * exp_<FAST>(z - row_lse);
+        if (cwc != A(0)) g -= cwc * (cw != nullptr ? cw[c] : A(1));
+        if (c == y) g -= cy;
+        return from_acc<T>(g * logit.slope(z));
+      };
+      // The tail is never overwritten by the vector loop (it writes T elements < tail0, i.e. A
+      // elements < tail0 / 2): read it first, write it after the loop's last reads.
+      A tz = A(0);
+      const bool has_tail = tail0 + tid < V;
+      if (has_tail) tz = logit(row[tail0 + tid], tail0 + tid);
+      for (long long k = 0; k < iters; ++k) {
+        if (kNarrow && k > 0 && (k & (k - 1)) == 0) __syncthreads();
+        const long long vi = k * nt + tid;
+        Vec<A, VEC> a;
+        if (vi < nvec) a = load_vec<A, VEC>(row + vi * VEC);
+        if (kNarrow && k == 0) __syncthreads();
+        if (vi < nvec) {
+          Vec<T, VEC> out;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const long long c = vi * VEC + e;
+            out.v[e] = grad(logit(a.v[e], c), c);
+          }
+          store_vec<T, VEC>(grow + vi * VEC, out);
+        }
+      }
+      if (kNarrow) __syncthreads();
+      if (has_tail) grow[tail0 + tid] = grad(tz, tail0 + tid);
+    }
+    __syncthreads();  // `red` is reused by the next row
+  }
+}
+
+// -------------------------------------------------------------------------------------------------
+// ce_stats: the reduction's scales, on the device (no host sync). One block.
+//   stats[0] = 1 / sum_i w_{y_i} over non-ignored rows for 'mean' (the loss's scale: inf, hence a
+//              NaN loss, when that sum is 0, as torch), 1 otherwise;
+//   stats[1] = the gradient's scale: as stats[0], but 0 when every row is ignored (torch's
+//              gradients are then 0, not NaN);
+//   stats[2] = sum_c w_c (V without class weights).
+// A target outside [0, V) that is not ignore_index makes the sum NaN.
+// -------------------------------------------------------------------------------------------------
+template <typename A, typename Y>
+__global__ void ce_stats(const Y* __restrict__ target, const A* __restrict__ cw, A* __restrict__ stats, long long n,
+                         long long V, long long ignore_index, int mean) {
+  __shared__ A red[2 * (kMaxWarps + 1)];
+  A sw = A(0), cnt = A(0);
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+    const long long y = static_cast<long long>(target[i]);
+    if (y == ignore_index) continue;
+    cnt += A(1);
+    sw += (y < 0 || y >= V) ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
+  }
+  block_sum2(sw, cnt, red);
+  A total = A(V), unused = A(0);
+  if (cw != nullptr) {
+    total = A(0);
+    for (long long c = threadIdx.x; c < V; c += blockDim.x) total += cw[c];
+    block_sum2(total, unused, red);
+  }
+  if (threadIdx.x == 0) {
+    stats[0] = mean ? A(1) / sw : A(1);
+    stats[1] = mean ? (cnt > A(0) ? A(1) / sw : A(0)) : A(1);
+    stats[2] = total;
+  }
+}
+
+// out[0] = stats[0] * sum_i row_loss[i] ('mean' / 'sum'). One block, fixed order.
+template <typename A>
+__global__ void ce_total(const A* __restrict__ row_loss, const A* __restrict__ stats, A* __restrict__ out,
+                         long long n) {
+  __shared__ A red[2 * (kMaxWarps + 1)];
+  A s = A(0), unused = A(0);
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) s += row_loss[i];
+  block_sum2(s, unused, red);
+  if (threadIdx.x == 0) out[0] = s * stats[0];
+}
+
+// -------------------------------------------------------------------------------------------------
+// Column sums of a chunk's gradient (the bias gradient), deterministic: per-split partial sums,
+// then a fixed-order pass that adds them into the A accumulator.
+// -------------------------------------------------------------------------------------------------
+
+// partial[s, c] = sum over rows [s * rows_per_split, ...) of g[r, c]; g (rows, V) with row stride ldg.
+// Grid (column blocks, splits), one column per thread: a warp reads 32 adjacent columns of a row.
+template <typename T>
+__global__ void ce_colsum(const T* __restrict__ g, acc_t<T>* __restrict__ partial, long long rows, long long V,
+                          long long ldg, long long rows_per_split) {
+  using A = acc_t<T>;
+  const long long c = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= V) return;
+  const long long r0 = static_cast<long long>(blockIdx.y) * rows_per_split;
+  const long long r1 = min(rows, r0 + rows_per_split);
+  A s = A(0);
+  for (long long r = r0; r < r1; ++r) s += to_acc<A>(g[r * ldg + c]);
+  partial[static_cast<long long>(blockIdx.y) * V + c] = s;
+}
+
+// acc[c] = (accumulate ? acc[c] : 0) + sum_s partial[s, c], in split order.
+template <typename A>
+__global__ void ce_colsum_finish(const A* __restrict__ partial, A* __restrict__ acc, long long splits, long long V,
+                                 int accumulate) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long c = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; c < V; c += stride) {
+    A s = accumulate ? acc[c] : A(0);
+    for (long long j = 0; j < splits; ++j) s += partial[j * V + c];
+    acc[c] = s;
+  }
+}
+
+// -------------------------------------------------------------------------------------------------
+// scale_cast: dst = D(src * s0[0] * s1[0] * factor) (s0, s1 may be null: 1). The gradients the
+// forward computed, scaled by the reduction's scale and the upstream gradient and rounded once
+// (src and dst may be the same buffer: each thread reads its elements before writing them).
+// VEC elements per thread when n % VEC == 0 and both pointers are aligned to their vector.
+// -------------------------------------------------------------------------------------------------
+template <typename S, typename D, int VEC>
+__global__ void scale_cast(const S* src, D* dst, const acc_t<D>* __restrict__ s0, const acc_t<D>* __restrict__ s1,
+                           long long n, double factor) {
+  using A = acc_t<D>;
+  A scale = A(factor);
+  if (s0 != nullptr) scale *= s0[0];
+  if (s1 != nullptr) scale *= s1[0];
+  const long long nv = n / VEC;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < nv; i += stride) {
+    const Vec<S, VEC> a = load_vec<S, VEC>(src + i * VEC);
+    Vec<D, VEC> b;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) b.v[k] = from_acc<D>(to_acc<A>(a.v[k]) * scale);
+    store_vec<D, VEC>(dst + i * VEC, b);
+  }
+}

@@ -1,0 +1,450 @@
+// norm.cu: RMSNorm and LayerNorm over the last dimension, forward and backward.
+// Host side, the maths and the references: cukit/ops/norm.py. x is contiguous (rows, H) (the host
+// makes it so); each row is normalised on its own, its statistics in acc_t<T> (fp32; fp64 for fp64).
+//
+// Modes (ids match MODES in cukit/ops/norm.py); x^ = (x - mean) * rstd, mean = 0 for RMS:
+//   RMS_ROUND 0  y = (offset + w) * round_T(x^)     Llama, Mistral, Qwen2: output dtype = torch's
+//                                                  promotion of T and W, product in that precision
+//   RMS       1  y = round_T(x^ * (offset + w))     Gemma (offset 1), torch.nn.RMSNorm (offset 0)
+//   LAYER     2  y = round_T(x^ * w + b)            torch.nn.LayerNorm (biased variance, two passes)
+// with rstd = 1 / sqrt(mean(x^2) + eps) (RMS) or 1 / sqrt(mean((x - mean)^2) + eps) (LAYER).
+//
+// Threads: blockDim.x = TPR threads share a row (a power of two, at most kMaxThreads), blockDim.y
+// rows share a block. A row is cut into chunks of NV * TPR * VEC elements; thread t holds the
+// VEC-wide vectors j * TPR + t (j < NV) of a chunk, so each load instruction of a row's threads is
+// contiguous. A row of one chunk stays in registers between the passes (statistics, output); a
+// longer row is read again for each pass (from L2 mostly). VEC > 1 only when H % VEC == 0 and every
+// pointer is aligned to its vectors (see Pack), so a vector never straddles two rows.
+#include <cukit/dtypes.cuh>
+#include <cukit/vec.cuh>
+
+using namespace cukit;
+
+enum NormMode : int { RMS_ROUND = 0, RMS = 1, LAYER = 2 };
+
+constexpr int kMaxThreads = 512;  // threads per block; the host keeps TPR * rows per block within it
+
+// NVRTC has no <type_traits>.
+template <bool C, typename A, typename B> struct If { using type = A; };
+template <typename A, typename B> struct If<false, A, B> { using type = B; };
+template <typename A, typename B> constexpr bool kSame = false;
+template <typename A> constexpr bool kSame<A, A> = true;
+
+// M: the precision of the weight maths and of the weight gradient's partial sums: acc_t<T>, or
+// double for a float64 weight. O: the output type (see the modes).
+template <typename T, typename W> using math_t = typename If<kSame<W, double>, double, acc_t<T>>::type;
+template <typename T, typename W, int MODE>
+using out_t = typename If<MODE != RMS_ROUND || kSame<T, W>, T,
+                          typename If<kSame<T, double> || kSame<W, double>, double, float>::type>::type;
+
+// Any storage type to any maths type, through the storage type's own accumulation type (the
+// 16-bit types convert only to float).
+template <typename A, typename S> __device__ __forceinline__ A cvt(S v) {
+  return static_cast<A>(to_acc<acc_t<S>>(v));
+}
+// Any maths type to a storage type, rounded once (double to the 16-bit types through float).
+template <typename D, typename A> __device__ __forceinline__ D narrow(A v) {
+  return from_acc<D>(static_cast<acc_t<D>>(v));
+}
+
+__device__ __forceinline__ float rsqrt_(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double rsqrt_(double v) { return rsqrt(v); }
+
+// N elements of S as 16-byte (or, for N * sizeof(S) < 16, N * sizeof(S)-byte) vectors: the weight
+// and the output may be wider than x (a float32 weight beside bfloat16 x), and a vector wider than
+// 16 bytes would need more than 16-byte alignment. The host checks each pointer against
+// min(16, VEC * sizeof(S)).
+template <typename S, int N> struct Pack {
+  static constexpr int C = N * static_cast<int>(sizeof(S)) > 16 ? 16 / static_cast<int>(sizeof(S)) : N;
+  Vec<S, C> p[N / C];
+  __device__ __forceinline__ S get(int k) const { return p[k / C].v[k % C]; }
+  __device__ __forceinline__ void set(int k, S v) { p[k / C].v[k % C] = v; }
+};
+
+template <typename S, int N> __device__ __forceinline__ Pack<S, N> load_pack(const S* __restrict__ ptr) {
+  Pack<S, N> r;
+#pragma unroll
+  for (int i = 0; i < N / Pack<S, N>::C; ++i) r.p[i] = load_vec<S, Pack<S, N>::C>(ptr + i * Pack<S, N>::C);
+  return r;
+}
+
+template <typename S, int N> __device__ __forceinline__ void store_pack(S* __restrict__ ptr, const Pack<S, N>& v) {
+#pragma unroll
+  for (int i = 0; i < N / Pack<S, N>::C; ++i) store_vec<S, Pack<S, N>::C>(ptr + i * Pack<S, N>::C, v.p[i]);
+}
+
+// The NV vectors of one chunk of a row that this thread holds; zeros past the row's end and for
+// rows past the last (they add nothing to the sums).
+template <typename S, int VEC, int NV>
+__device__ __forceinline__ void load_chunk(Pack<S, VEC> (&v)[NV], const S* __restrict__ row, long long first,
+                                           long long stride, long long H, bool active) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const long long c = first + j * stride;
+    if (active && c < H) {
+      v[j] = load_pack<S, VEC>(row + c);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[j].set(k, narrow<S>(acc_t<S>(0)));
+    }
+  }
+}
+
+// Sums each of N values over the TPR = blockDim.x threads of a row; every thread of the row gets the
+// sums. A butterfly of shuffles (IEEE addition commutes, so both partners of each step compute the
+// same bits), then, for TPR > 32, the warps' sums added in warp order: the result does not depend
+// on timing. Every thread of the block calls it (it may hold __syncthreads). `scratch` holds
+// N * kMaxThreads / 32 values.
+template <typename A, int N> __device__ __forceinline__ void row_sum(A (&v)[N], A* scratch) {
+  const int tpr = blockDim.x;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (o < tpr) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    }
+  }
+  if (tpr > 32) {
+    const int warps = tpr >> 5, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    A* s = scratch + threadIdx.y * warps * N;
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) s[wid * N + i] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      A acc = A(0);
+      for (int k = 0; k < warps; ++k) acc += s[k * N + i];
+      v[i] = acc;
+    }
+    __syncthreads();  // the slots are written again by the next call
+  }
+}
+
+// Forward: one row per blockDim.x threads, no grid-stride loop (a block's rows are independent).
+// y == nullptr: statistics only (the array API's backward without saved statistics). mean_out,
+// rstd_out == nullptr: not written (inference keeps no statistics).
+template <typename T, typename W, int MODE, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads)
+    norm_fwd(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b,
+             out_t<T, W, MODE>* __restrict__ y, acc_t<T>* __restrict__ mean_out, acc_t<T>* __restrict__ rstd_out,
+             long long rows, long long H, double eps, double offset) {
+  using A = acc_t<T>;
+  using M = math_t<T, W>;
+  using O = out_t<T, W, MODE>;
+  __shared__ A scratch[kMaxThreads / 32];
+  const int t = threadIdx.x, tpr = blockDim.x;
+  const long long r = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = r < rows;
+  const long long row0 = active ? r * H : 0;
+  const long long stride = static_cast<long long>(tpr) * VEC;
+  const long long chunk = NV * stride;
+  const int nchunks = static_cast<int>((H + chunk - 1) / chunk);
+  Pack<T, VEC> xv[NV];
+
+  A s[1] = {A(0)};
+  for (int ch = 0; ch < nchunks; ++ch) {
+    load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const A v = cvt<A>(xv[j].get(k));
+        s[0] += MODE == LAYER ? v : v * v;
+      }
+    }
+  }
+  row_sum(s, scratch);
+  A mean = A(0);
+  if (MODE == LAYER) {  // the variance from the centred values: no cancellation of E[x^2] - mean^2
+    mean = s[0] / static_cast<A>(H);
+    s[0] = A(0);
+    for (int ch = 0; ch < nchunks; ++ch) {
+      if (nchunks > 1) load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        if (ch * chunk + j * stride + t * VEC < H) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const A d = cvt<A>(xv[j].get(k)) - mean;
+            s[0] += d * d;
+          }
+        }
+      }
+    }
+    row_sum(s, scratch);
+  }
+  const A rstd = rsqrt_(s[0] / static_cast<A>(H) + static_cast<A>(eps));
+  if (active && t == 0) {
+    if (rstd_out != nullptr) rstd_out[r] = rstd;
+    if (MODE == LAYER && mean_out != nullptr) mean_out[r] = mean;
+  }
+  if (y == nullptr) return;  // no barrier below
+
+  const M off = static_cast<M>(offset);
+  for (int ch = 0; ch < nchunks; ++ch) {
+    if (nchunks > 1) load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const long long c = ch * chunk + j * stride + t * VEC;
+      if (!active || c >= H) continue;
+      Pack<W, VEC> wv{}, bv{};
+      if (w != nullptr) wv = load_pack<W, VEC>(w + c);
+      if (MODE == LAYER && b != nullptr) bv = load_pack<W, VEC>(b + c);
+      Pack<O, VEC> yv;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
+        M o;
+        if (MODE == RMS_ROUND) {  // HF Llama: hidden_states.to(input_dtype), then weight * it
+          o = cvt<M>(narrow<T>(xh));
+          if (w != nullptr) o = (off + cvt<M>(wv.get(k))) * o;
+        } else if (MODE == RMS) {  // HF Gemma: (x^ * (1 + w.float())).type_as(x)
+          o = static_cast<M>(xh);
+          if (w != nullptr) o = o * (off + cvt<M>(wv.get(k)));
+        } else {
+          o = static_cast<M>(xh);
+          if (w != nullptr) o = o * cvt<M>(wv.get(k));
+          if (b != nullptr) o = o + cvt<M>(bv.get(k));
+        }
+        yv.set(k, narrow<O>(o));
+      }
+      store_pack<O, VEC>(y + row0 + c, yv);
+    }
+  }
+}
+
+// Backward, pass 1 of 2: dx for every row and one partial row of the weight (and bias) gradient per
+// block. With g = dy * (offset + w) (dy without a weight) and the saved mean and rstd:
+//   RMS:   dx = rstd * (g - x^ * mean(g x^))
+//   LAYER: dx = rstd * (g - mean(g) - x^ * mean(g x^))
+//   dw += dy * x^ (RMS_ROUND: dy * round_T(x^), the value the forward multiplied), db += dy.
+// A persistent grid: block i takes the row groups i, i + gridDim.x, ... (a loop whose trip count is
+// the same for every thread of the block: row_sum may synchronise). A thread's columns are the same
+// for every row, so it sums its share of dw and db in registers across all its rows; at the end the
+// blockDim.y row groups' sums are added in order through shared memory (rpb * H values of M) and
+// the block writes pw[blockIdx.x, :] (pb[blockIdx.x, :]). Chunked rows (one row group per block)
+// add into those partial rows directly instead, each column always by the same thread. No atomics:
+// bitwise reproducible for a given launch configuration. pw (pb) == nullptr: no weight (bias).
+template <typename T, typename W, int MODE, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads)
+    norm_bwd(const out_t<T, W, MODE>* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
+             const acc_t<T>* __restrict__ mean_in, const acc_t<T>* __restrict__ rstd_in, T* __restrict__ dx,
+             math_t<T, W>* __restrict__ pw, math_t<T, W>* __restrict__ pb, long long rows, long long H,
+             double offset, long long smem_acc) {
+  using A = acc_t<T>;
+  using M = math_t<T, W>;
+  using O = out_t<T, W, MODE>;
+  constexpr int NS = MODE == LAYER ? 2 : 1;  // row sums: sum(g x^) (and sum(g))
+  __shared__ A scratch[NS * kMaxThreads / 32];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int t = threadIdx.x, tpr = blockDim.x, rpb = blockDim.y;
+  const long long stride = static_cast<long long>(tpr) * VEC;
+  const long long chunk = NV * stride;
+  const int nchunks = static_cast<int>((H + chunk - 1) / chunk);
+  const bool in_regs = nchunks == 1;
+  M* gw = pw != nullptr ? pw + static_cast<long long>(blockIdx.x) * H : nullptr;
+  M* gb = MODE == LAYER && pb != nullptr ? pb + static_cast<long long>(blockIdx.x) * H : nullptr;
+  M* red = reinterpret_cast<M*>(smem_raw);
+  // Chunked rows: the sums live in shared memory when the host gave room for them (smem_acc),
+  // else in the block's partial rows in global memory (L2 mostly).
+  M* sw = gw;
+  M* sb = gb;
+  if (!in_regs && smem_acc) {
+    sw = gw != nullptr ? red : nullptr;
+    sb = gb != nullptr ? red + (gw != nullptr ? H : 0) : nullptr;
+  }
+  const M off = static_cast<M>(offset);
+
+  M aw[NV][VEC], ab[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) aw[j][k] = ab[j][k] = M(0);
+  }
+  if (!in_regs) {  // one row group per block (the host's choice for chunked rows); zeroed by the owner
+    for (int ch = 0; ch < nchunks; ++ch) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const long long c = ch * chunk + j * stride + t * VEC;
+        if (c >= H) continue;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          if (sw != nullptr) sw[c + k] = M(0);
+          if (sb != nullptr) sb[c + k] = M(0);
+        }
+      }
+    }
+  }
+
+  // Rows in registers are loaded one iteration ahead (xn, gn) where a thread's share of a row is
+  // small (at most 32 bytes of x): the next row's loads are then in flight while this row is reduced
+  // and written, which the barriers in row_sum would otherwise serialise. Larger shares keep enough
+  // bytes in flight per row, and the registers for a second copy would spill.
+  constexpr bool PREFETCH = NV * VEC * sizeof(T) <= 32;
+  Pack<T, VEC> xv[NV], xn[NV];
+  Pack<O, VEC> gv[NV], gn[NV];
+  const long long step = static_cast<long long>(gridDim.x) * rpb;
+  const long long first = static_cast<long long>(blockIdx.x) * rpb + threadIdx.y;
+  const bool ahead = PREFETCH && in_regs;
+  if (ahead) {
+    load_chunk(xn, x + (first < rows ? first * H : 0), t * VEC, stride, H, first < rows);
+    load_chunk(gn, dy + (first < rows ? first * H : 0), t * VEC, stride, H, first < rows);
+  }
+  for (long long r0 = static_cast<long long>(blockIdx.x) * rpb; r0 < rows; r0 += step) {
+    const long long r = r0 + threadIdx.y;
+    const bool active = r < rows;
+    const long long row0 = active ? r * H : 0;
+    const A rstd = active ? rstd_in[r] : A(0);
+    const A mean = MODE == LAYER && active ? mean_in[r] : A(0);
+    if (ahead) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        xv[j] = xn[j];
+        gv[j] = gn[j];
+      }
+      const long long rn = r + step;
+      load_chunk(xn, x + (rn < rows ? rn * H : 0), t * VEC, stride, H, rn < rows);
+      load_chunk(gn, dy + (rn < rows ? rn * H : 0), t * VEC, stride, H, rn < rows);
+    }
+
+    A s[NS];
+#pragma unroll
+    for (int i = 0; i < NS; ++i) s[i] = A(0);
+    for (int ch = 0; ch < nchunks; ++ch) {
+      if (!ahead) {
+        load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+        load_chunk(gv, dy + row0, ch * chunk + t * VEC, stride, H, active);
+      }
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const long long c = ch * chunk + j * stride + t * VEC;
+        if (c >= H) continue;
+        Pack<W, VEC> wv{};
+        if (w != nullptr) wv = load_pack<W, VEC>(w + c);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
+          const M d = cvt<M>(gv[j].get(k));
+          const A g = static_cast<A>(w != nullptr ? d * (off + cvt<M>(wv.get(k))) : d);
+          s[0] += g * xh;
+          if (MODE == LAYER) s[NS - 1] += g;
+        }
+      }
+    }
+    row_sum(s, scratch);
+    const A c1 = s[0] / static_cast<A>(H);
+    const A c2 = MODE == LAYER ? s[NS - 1] / static_cast<A>(H) : A(0);
+
+    for (int ch = 0; ch < nchunks; ++ch) {
+      if (!in_regs) {
+        load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+        load_chunk(gv, dy + row0, ch * chunk + t * VEC, stride, H, active);
+      }
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const long long c = ch * chunk + j * stride + t * VEC;
+        if (!active || c >= H) continue;
+        Pack<W, VEC> wv{};
+        if (w != nullptr) wv = load_pack<W, VEC>(w + c);
+        Pack<T, VEC> dv;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
+          const M d = cvt<M>(gv[j].get(k));
+          const A g = static_cast<A>(w != nullptr ? d * (off + cvt<M>(wv.get(k))) : d);
+          dv.set(k, narrow<T>(rstd * (g - c2 - xh * c1)));
+          const M xw = MODE == RMS_ROUND ? cvt<M>(narrow<T>(xh)) : static_cast<M>(xh);
+          if (in_regs) {
+            aw[j][k] += d * xw;
+            if (MODE == LAYER) ab[j][k] += d;
+          } else {
+            if (sw != nullptr) sw[c + k] += d * xw;
+            if (sb != nullptr) sb[c + k] += d;
+          }
+        }
+        store_pack<T, VEC>(dx + row0 + c, dv);
+      }
+    }
+  }
+  if (!in_regs) {
+    if (smem_acc) {  // each column goes out from the thread that summed it: no barrier
+      for (int ch = 0; ch < nchunks; ++ch) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const long long c = ch * chunk + j * stride + t * VEC;
+          if (c >= H) continue;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            if (gw != nullptr) gw[c + k] = sw[c + k];
+            if (gb != nullptr) gb[c + k] = sb[c + k];
+          }
+        }
+      }
+    }
+    return;  // no barrier below
+  }
+
+  // red: [rpb][H], only when rpb > 1
+#pragma unroll
+  for (int q = 0; q < NS; ++q) {
+    M* part = q == 0 ? gw : gb;
+    if (part == nullptr) continue;  // the same for every thread
+    if (rpb == 1) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const long long c = j * stride + t * VEC;
+        if (c >= H) continue;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) part[c + k] = q == 0 ? aw[j][k] : ab[j][k];
+      }
+      continue;
+    }
+    __syncthreads();  // red may still be read for the previous q
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const long long c = j * stride + t * VEC;
+      if (c >= H) continue;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) red[threadIdx.y * H + c + k] = q == 0 ? aw[j][k] : ab[j][k];
+    }
+    __syncthreads();
+    for (long long c = static_cast<long long>(threadIdx.y) * tpr + t; c < H; c += static_cast<long long>(tpr) * rpb) {
+      M acc = M(0);
+      for (int g = 0; g < rpb; ++g) acc += red[g * H + c];
+      part[c] = acc;
+    }
+  }
+}
+
+// Backward, pass 2: out[c] = sum over the parts p of partial[p, c], in a fixed order, rounded once
+// to D (the weight's or the bias's dtype). blockIdx.y picks the output: partial rows
+// [y * parts, (y + 1) * parts) go to out0 (y = 0) or out1 (y = 1). Block (32, kReduceSplit): a
+// warp's lanes read 32 adjacent columns (one 128-byte line per row), and threadIdx.y splits the
+// parts (p = y, y + kReduceSplit, ...) so that kReduceSplit loads per column are in flight; the
+// splits' sums are then added in split order.
+constexpr int kReduceSplit = 16;
+
+template <typename M, typename D>
+__global__ void __launch_bounds__(32 * kReduceSplit)
+    norm_reduce(const M* __restrict__ partial, D* __restrict__ out0, D* __restrict__ out1, long long parts,
+                long long H) {
+  __shared__ M red[kReduceSplit][32];
+  const M* p = partial + static_cast<long long>(blockIdx.y) * parts * H;
+  D* out = blockIdx.y == 0 ? out0 : out1;
+  const long long c = static_cast<long long>(blockIdx.x) * 32 + threadIdx.x;
+  M s = M(0);
+  if (c < H) {
+#pragma unroll 4
+    for (long long q = threadIdx.y; q < parts; q += kReduceSplit) s += p[q * H + c];
+  }
+  red[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < H) {
+    M acc = M(0);
+#pragma unroll
+    for (int g = 0; g < kReduceSplit; ++g) acc += red[g][threadIdx.x];
+    out[c] = narrow<D>(acc);
+  }
+}
