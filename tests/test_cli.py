@@ -87,7 +87,8 @@ def test_warmup_cli_errors(tiny: list[tuple[str, str]], monkeypatch: pytest.Monk
     err = capsys.readouterr().err
     assert err.startswith("cukit warmup: no CUDA GPU is visible") and "--arch sm_90" in err
     assert cli_main(["warmup", "--ops", "matmul,nope", "--arch", "sm_90"]) == 2
-    assert "cukit warmup: --ops: unknown op 'nope'; expected one or more of bias_act, matmul" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cukit warmup: --ops: unknown op 'nope'; expected one or more of bias_act, " in err and " matmul," in err
     assert cli_main(["warmup", "--dtypes", "half8", "--arch", "sm_90"]) == 2
     assert "cukit warmup: --dtypes: 'half8' is not a dtype" in capsys.readouterr().err
     assert cli_main(["warmup", "--arch", "sm_80,sm_90"]) == 2
