@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (3 if small else 20)
     warmup = 3 if small else 5  # the first cukit steps compile kernels
     data = synthetic_batches(4, batch, image, device)
-    stock, twin = cnn_models(args.activation, channels=channels, image=(image, image), device=device, seed=0)
+    stock, twin = cnn_models(args.activation, channels=channels, image=(image, image), device=device, seed=0,
+                              conv="im2col")
     flops = gemm_flops(batch, image, channels)
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     convs = ", ".join(f"conv3x3 {a}->{b}" for a, b in zip([1, *channels], channels, strict=False))

@@ -155,18 +155,27 @@ def parse_params(stride: Any, padding: Any, dilation: Any, kernel_size: Sequence
 _PARAMS: dict[tuple, Params] = {}
 
 
+def _cache_key(a: Any) -> Any:
+    """a as a cache key when it is an exact int, str or tuple/list of ints; else None (1.0 and True
+    hash like 1, and must still be refused)."""
+    t = type(a)
+    if t is int or t is str:
+        return a
+    if (t is tuple or t is list) and all(type(e) is int for e in a):
+        return tuple(a)
+    return None
+
+
 def conv_params(stride: Any, padding: Any, dilation: Any, kernel_size: Sequence[int],
                 fn: str = "cukit.conv2d") -> Params:
     """:func:`parse_params` through a small cache keyed by the arguments as given (a module's
-    stride, padding and dilation are the same objects every call)."""
-    args = tuple(tuple(a) if isinstance(a, list) else a for a in (stride, padding, dilation))
-    try:
-        key = (*args, kernel_size[0], kernel_size[1], fn)
-        hit = _PARAMS.get(key)
-    except TypeError:  # unhashable (a NumPy array, ...)
+    stride, padding and dilation are the same every call)."""
+    key = (_cache_key(stride), _cache_key(padding), _cache_key(dilation), kernel_size[0], kernel_size[1], fn)
+    if None in key[:3]:
         return parse_params(stride, padding, dilation, kernel_size, fn)
+    hit = _PARAMS.get(key)
     if hit is None:
-        hit = parse_params(*args, kernel_size, fn)
+        hit = parse_params(stride, padding, dilation, kernel_size, fn)
         if len(_PARAMS) >= 256:
             _PARAMS.clear()
         _PARAMS[key] = hit
