@@ -287,10 +287,12 @@ def test_gated_mlp_rule_keeps_other_instances_and_is_idempotent():
     assert type(a).__name__ == "LlamaMLP" and isinstance(a, LlamaMLP)
 
 
-def test_gated_mlp_rule_off_by_default_and_fuse_activations_unchanged():
+def test_gated_mlp_rule_on_by_default_and_off_leaves_fuse_activations_unchanged():
     switches = only("linear", "fuse_activations")
-    del switches["gated_mlp"]  # its default: off
+    del switches["gated_mlp"]  # its default: on
     model = cukit.nn.patch(LlamaMLP(), **switches)
+    assert type(model.act_fn).__name__ == "GatedActivation" and model.gate_proj.activation is None
+    model = cukit.nn.patch(LlamaMLP(), **only("linear", "fuse_activations"))
     assert isinstance(model.act_fn, nn.Identity) and model.gate_proj.activation == "silu"
 
 
