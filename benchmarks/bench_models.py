@@ -25,12 +25,12 @@ Implementations (``impl``), each trained from a deep copy of one model built onc
 initial weights), on the same batches, with the same seed:
 
 - ``torch``: the stock model, ``torch.optim.AdamW(fused=True)``.
-- ``cukit``: ``cukit.nn.patch(copy)`` (every nn.Linear becomes ``cukit.nn.Linear`` and every HF
-  Conv1D ``cukit.nn.Conv1D``, sharing the parameters, a following activation fused where exact;
-  the report is printed once per model) and
-  ``cukit.optim.AdamW``. For the CNN, ``patch`` swaps each nn.Conv2d for ``cukit.nn.Conv2d`` with
-  the following activation fused (one implicit-GEMM kernel per convolution) and the classifier for
-  ``cukit.nn.Linear``: the same modules as the twin ``cukit demo`` trains.
+- ``cukit``: ``cukit.nn.patch(copy)`` with its defaults (a linear layer followed by an activation
+  becomes ``cukit.nn.Linear``/``Conv1D`` with it fused, the others stay torch's; norms, gated MLP,
+  rotary embedding and the labels loss of HF models become cukit's; parameters shared; the report
+  is printed once per model) and ``cukit.optim.AdamW``. ``--patch-linear`` adds ``linear=True,
+  conv1d=True`` (every linear layer cukit's). For the CNN, ``patch`` swaps each nn.Conv2d for
+  ``cukit.nn.Conv2d`` with the following activation fused (one implicit-GEMM kernel per convolution).
 - ``cukit-demo`` (MLP only): the demo's twin (``nn.Linear(bias=False)`` + ``cukit.nn.BiasAct``),
   beside the patched MLP.
 
@@ -164,6 +164,7 @@ class Config:
     compile_backend: str = "inductor"
     compile_mode: str | None = None
     compile_policy: str = "inductor"  # cukit.torch.set_compile_policy for the cukit side
+    patch_linear: bool = False  # cukit.nn.patch(linear=True, conv1d=True): every linear layer cukit's
     dry_run: bool = False
     seed: int = 0
     out: str | None = None
@@ -201,6 +202,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-policy", default=None, choices=("inductor", "kernels"),
                    help="cukit.torch.set_compile_policy for the cukit side (default inductor: matmul, "
                         "linear and elementwise ops traced as torch's ops; kernels: cukit's custom ops)")
+    p.add_argument("--patch-linear", action="store_true",
+                   help="cukit side: cukit.nn.patch(linear=True, conv1d=True), every linear layer cukit's "
+                        "(default: only those with an activation to fuse)")
     p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     p.add_argument("--seed", type=int, default=0)
@@ -208,7 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config(out=args.out, seed=args.seed,
+    cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear,
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
     if args.dry_run:
@@ -231,6 +235,8 @@ def results_name(cfg: Config) -> str:
         parts.append("-".join(cfg.settings))
     if cfg.compile_policy != "inductor" and any(s.startswith("compile") for s in cfg.settings):
         parts.append(f"policy-{cfg.compile_policy}")
+    if cfg.patch_linear:
+        parts.append("patch-linear")
     return "-".join(parts)
 
 
@@ -262,15 +268,16 @@ def _transformers() -> Any:
     return transformers
 
 
-def cukit_patch(model: Any) -> Any:
-    """``cukit.nn.patch(model)`` in place; no stand-in when it is missing: the comparison would be void."""
+def cukit_patch(model: Any, every_linear: bool = False) -> Any:
+    """``cukit.nn.patch(model)`` in place (`every_linear`: ``linear=True, conv1d=True``); no stand-in
+    when it is missing: the comparison would be void."""
     import cukit.nn
 
     patch = getattr(cukit.nn, "patch", None)
     if patch is None:
         raise RuntimeError("cukit.nn.patch is not available: this benchmark compares stock torch against "
                            "cukit.nn.patch(model) (issue 9) and uses no stand-in")
-    out = patch(model, inplace=True)
+    out = patch(model, inplace=True, **({"linear": True, "conv1d": True} if every_linear else {}))
     return model if out is None else out
 
 
@@ -374,8 +381,8 @@ def _seeded_on_device(cfg: Config, build: Callable[[], Any]) -> Any:
         return build()
 
 
-def _patched_copy(base: Any) -> Callable[[], Any]:
-    return lambda: cukit_patch(copy.deepcopy(base))
+def _patched_copy(base: Any, cfg: Config) -> Callable[[], Any]:
+    return lambda: cukit_patch(copy.deepcopy(base), cfg.patch_linear)
 
 
 def build_llama(cfg: Config) -> Workload:
@@ -391,7 +398,7 @@ def build_llama(cfg: Config) -> Workload:
         title=(f"Llama-style decoder (HF LlamaForCausalLM, {d['num_hidden_layers']} layers x {d['hidden_size']}, "
                f"ffn {d['intermediate_size']}, {d['num_attention_heads']}/{d['num_key_value_heads']} heads, "
                f"vocab {d['vocab_size']}, sdpa), {batch} x {seq} tokens"),
-        builders={"torch": lambda: copy.deepcopy(base), "cukit": _patched_copy(base)},
+        builders={"torch": lambda: copy.deepcopy(base), "cukit": _patched_copy(base, cfg)},
         wrap=lm_loss,
         batches=markov_tokens(cfg.steps, batch, seq, d["vocab_size"], cfg.seed, cfg.device),
         lr=LM_LR, batch=batch, seq=seq,
@@ -448,7 +455,8 @@ def build_llama8(cfg: Config) -> Workload:
         title=(f"Llama 8-layer (HF LlamaForCausalLM, {d['num_hidden_layers']} layers x {d['hidden_size']}, "
                f"ffn {d['intermediate_size']}, {d['num_attention_heads']}/{d['num_key_value_heads']} heads, "
                f"vocab {d['vocab_size']}, sdpa), {batch} x {seq} tokens"),
-        builders={"torch": lambda: copy.deepcopy(base), "liger": _liger_llama(base), "cukit": _patched_copy(base)},
+        builders={"torch": lambda: copy.deepcopy(base), "liger": _liger_llama(base),
+                  "cukit": _patched_copy(base, cfg)},
         wrap=lm_loss,
         batches=markov_tokens(cfg.steps, batch, seq, d["vocab_size"], cfg.seed, cfg.device),
         lr=LM_LR, batch=batch, seq=seq,
@@ -470,7 +478,7 @@ def build_gpt2(cfg: Config) -> Workload:
         name="gpt2",
         title=(f"GPT-2 small shapes (HF GPT2LMHeadModel, {config.n_layer} layers x {config.n_embd}, "
                f"{config.n_head} heads, vocab {config.vocab_size}, dropout 0, sdpa), {batch} x {seq} tokens"),
-        builders={"torch": lambda: copy.deepcopy(base), "cukit": _patched_copy(base)},
+        builders={"torch": lambda: copy.deepcopy(base), "cukit": _patched_copy(base, cfg)},
         wrap=lm_loss,
         batches=markov_tokens(cfg.steps, batch, seq, config.vocab_size, cfg.seed, cfg.device),
         lr=LM_LR, batch=batch, seq=seq,
@@ -488,7 +496,7 @@ def build_mlp(cfg: Config) -> Workload:
     return Workload(
         name="mlp",
         title=f"demo MLP {'-'.join(map(str, sizes))} {DEMO_ACTIVATION}, batch {DEMO_BATCH}",
-        builders={"torch": lambda: copy.deepcopy(stock), "cukit": _patched_copy(stock),
+        builders={"torch": lambda: copy.deepcopy(stock), "cukit": _patched_copy(stock, cfg),
                   "cukit-demo": lambda: copy.deepcopy(twin)},
         wrap=cls_loss,
         batches=gaussian_classes(cfg.steps, DEMO_BATCH, sizes[0], sizes[-1], cfg.seed, cfg.device),
@@ -507,7 +515,7 @@ def build_cnn(cfg: Config) -> Workload:
         name="cnn",
         title=(f"demo CNN 1x8x8, conv3x3 {'-'.join(map(str, channels))}, linear 10, {DEMO_ACTIVATION}, "
                f"batch {DEMO_BATCH}"),
-        builders={"torch": lambda: copy.deepcopy(stock), "cukit": _patched_copy(stock)},
+        builders={"torch": lambda: copy.deepcopy(stock), "cukit": _patched_copy(stock, cfg)},
         wrap=cls_loss,
         batches=gaussian_classes(cfg.steps, DEMO_BATCH, 64, 10, cfg.seed, cfg.device),
         lr=DEMO_LR, batch=DEMO_BATCH,
@@ -847,7 +855,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     torch_params = {(r["model"], r["setting"]): r.get("params") for r in b.rows if r["impl"] == "torch"}
     for r in b.rows:  # patch must share parameters: a different count means a weight was copied or untied
         p0 = torch_params.get((r["model"], r["setting"]))
-        if r["impl"] == "cukit" and r["model"] != "cnn" and r.get("params") and p0 and r["params"] != p0:
+        if r["impl"] == "cukit" and r.get("params") and p0 and r["params"] != p0:
             notes.append(f"{r['model']} {r['setting']} cukit: {r['params']} parameter elements vs torch's {p0} "
                          "(did patch untie a shared weight?)")
     for n in notes:
@@ -896,6 +904,7 @@ def run(cfg: Config) -> Bench:
 
         b.meta["transformers"] = transformers.__version__
     b.meta["compile_policy"] = cfg.compile_policy
+    b.meta["patch_linear"] = cfg.patch_linear
     if any(s.startswith("compile") for s in cfg.settings):
         harness.configure_dynamo()
     env = harness.environment()

@@ -34,10 +34,14 @@ TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.fl
 
 
 # --------------------------------------------------------------------------------------- helpers
-# The linear rules alone: the rules added with later kernels (norms, gated MLPs, rotary embeddings,
-# the loss, convolutions) switched off, for the tests of the linear swap and activation fusion.
+# The linear rules alone, each linear swapped (linear=True, conv1d=True: off by default), and the
+# rules added with later kernels (norms, gated MLPs, rotary embeddings, the loss, convolutions)
+# switched off, for the tests of the linear swap and activation fusion.
 CLASSIC = ("linear", "conv1d", "fuse_activations")
-LINEAR_ONLY = {name: False for name in RULES if name not in CLASSIC}
+
+
+def classic(**switches: bool) -> dict[str, bool]:
+    return {**{name: name in CLASSIC for name in RULES}, **switches}
 
 
 def pair(make: Callable[[], nn.Module], dtype: torch.dtype = torch.float32, device: str = "cpu", **kw):
@@ -75,13 +79,18 @@ def whats(model: nn.Module, skipped: bool = False) -> dict[str, str]:
 def test_sequential_mlp_swaps_fuses_and_matches(dtype):
     ref, ours = pair(mlp, dtype)
     r = ours.cukit_patch_report
-    assert r.counts == {"linear": 5, "fuse_activations": 4}
+    assert r.counts == {"fuse_activations": 4}  # the last linear has nothing to fuse: torch's stays
     assert [type(m) for m in ours] == [cukit.nn.Linear, nn.Identity] * 2 + [nn.Dropout] + [
-        cukit.nn.Linear, nn.Identity] * 2 + [cukit.nn.Linear]
-    assert [ours[i].activation for i in (0, 2, 5, 7, 9)] == ["relu", "gelu", "gelu_tanh", "silu", None]
-    assert "1 (ReLU) fused: activation='relu'" in whats(ours)["0"]
+        cukit.nn.Linear, nn.Identity] * 2 + [nn.Linear]
+    assert [ours[i].activation for i in (0, 2, 5, 7)] == ["relu", "gelu", "gelu_tanh", "silu"]
+    assert whats(ours)["0"] == "torch.nn.Linear -> cukit.nn.Linear, 1 (ReLU) fused: activation='relu', 1 -> Identity"
     assert ours.state_dict().keys() == ref.state_dict().keys()
     check_same(ref, ours, torch.randn(3, 5, 8, dtype=dtype))
+    ref, every = pair(mlp, dtype, linear=True)
+    assert every.cukit_patch_report.counts == {"linear": 5, "fuse_activations": 4}
+    assert type(every[9]) is cukit.nn.Linear and every[9].activation is None
+    assert whats(every)["0"] == "torch.nn.Linear -> cukit.nn.Linear | 1 (ReLU) fused: activation='relu', 1 -> Identity"
+    check_same(ref, every, torch.randn(3, 5, 8, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -131,7 +140,7 @@ def test_state_dict_round_trips_both_ways():
 # -------------------------------------------------------------------------------- known blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_known_blocks_fuse_and_match(dtype):
-    ref, ours = pair(Blocks, dtype, **LINEAR_ONLY)
+    ref, ours = pair(Blocks, dtype, **classic())
     assert ours.cukit_patch_report.counts == {"linear": 12, "conv1d": 2, "fuse_activations": 6}
     for i in range(2):
         mlp_ = ours.llama[i]
@@ -161,7 +170,7 @@ def test_inexact_activations_and_unknown_forwards_are_skipped():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.seq(self.normed(self.glu(self.fast(x))))
 
-    ref, ours = pair(Model, **LINEAR_ONLY)
+    ref, ours = pair(Model, **classic())
     assert ours.cukit_patch_report.counts == {"linear": 6, "conv1d": 2}
     skipped = whats(ours, skipped=True)
     assert skipped["fast.c_fc"] == "GPT2MLP: act: FastGELUActivation is not exact: tanh gelu with sqrt(2/pi) rounded to 0.7978845608"
@@ -184,16 +193,21 @@ def test_hooks_subclasses_shared_modules_and_instance_forwards_are_respected():
     model[0].register_forward_hook(lambda m, args, out: seen.append(out.min().item()))
     model[7].forward = model[7].forward  # what accelerate's hooks do
     ref = copy.deepcopy(model)
+    every = cukit.nn.patch(copy.deepcopy(model), linear=True)
     cukit.nn.patch(model)
     skipped = whats(model, skipped=True)
+    subclass = "MyLinear subclasses torch.nn.Linear; its forward may differ (see linear_types)"
+    instance = "Linear.forward is replaced on the instance (an accelerate hook?)"
     assert skipped["0"] == "1 (ReLU) not fused: Linear has forward hooks"
-    assert skipped["2"] == ("MyLinear subclasses torch.nn.Linear; its forward may differ (see linear_types)"
-                            " | 3 (ReLU) not fused: MyLinear is not a cukit linear")
+    assert skipped["2"] == f"3 (ReLU) not fused: {subclass}"
     assert skipped["4"] == "5 (SiLU) not fused: shared by 2 parent modules"
-    assert skipped["7"] == ("Linear.forward is replaced on the instance (an accelerate hook?)"
-                            " | 8 (GELU) not fused: torch.nn.Linear is not a cukit linear")
-    assert type(model[0]) is cukit.nn.Linear and model[0].activation is None and type(model[2]) is MyLinear
-    assert type(model[4]) is cukit.nn.Linear and type(model[7]) is nn.Linear
+    assert skipped["7"] == f"8 (GELU) not fused: {instance}"
+    assert [type(model[i]) for i in (0, 2, 4, 7)] == [nn.Linear, MyLinear, nn.Linear, nn.Linear]
+    skipped = whats(every, skipped=True)
+    assert skipped["2"] == f"{subclass} | 3 (ReLU) not fused: {subclass}"
+    assert skipped["7"] == f"{instance} | 8 (GELU) not fused: {instance}"
+    assert [type(every[i]) for i in (0, 2, 4, 7)] == [cukit.nn.Linear, MyLinear, cukit.nn.Linear, nn.Linear]
+    assert every[0].activation is None
     x = torch.randn(3, 8)
     torch.testing.assert_close(model(x), ref(x), rtol=2e-6, atol=2e-6)
     assert len(seen) == 2 and seen[0] < 0 and seen[1] < 0  # the hook still sees the pre-activation
@@ -203,19 +217,21 @@ def test_hooks_subclasses_shared_modules_and_instance_forwards_are_respected():
 
 # ---------------------------------------------------------------------------------- switches
 def test_switches():
-    _, ours = pair(Blocks, linear=False, **LINEAR_ONLY)
-    assert not any(type(m) is cukit.nn.Linear for m in ours.modules())
-    assert ours.cukit_patch_report.counts == {"conv1d": 2, "fuse_activations": 1}
-    assert whats(ours, skipped=True)["bert.dense"] == (
-        "BertIntermediate: intermediate_act_fn (GELUActivation) not fused: torch.nn.Linear is not a cukit linear "
-        "(linear=False)")
-    _, ours = pair(Blocks, fuse_activations=False, **LINEAR_ONLY)
+    _, ours = pair(Blocks, **classic(linear=False))  # the default: linears swapped where they fuse
+    assert ours.cukit_patch_report.counts == {"conv1d": 2, "fuse_activations": 6}
+    fused = [m for m in ours.modules() if type(m) is cukit.nn.Linear]
+    assert len(fused) == 5 and all(m.activation is not None for m in fused)
+    assert type(ours.out) is nn.Linear and type(ours.llama[0].up_proj) is nn.Linear
+    assert whats(ours)["bert.dense"] == ("BertIntermediate: torch.nn.Linear -> cukit.nn.Linear, intermediate_act_fn "
+                                         "(GELUActivation) fused: activation='gelu', intermediate_act_fn -> Identity")
+    _, ours = pair(Blocks, **classic(fuse_activations=False))
     assert ours.cukit_patch_report.counts == {"linear": 12, "conv1d": 2}
     assert all(getattr(m, "activation", None) is None for m in ours.modules())
     assert isinstance(ours.llama[0].act_fn, nn.SiLU)
-    _, ours = pair(Blocks, conv1d=False, **LINEAR_ONLY)
-    assert type(ours.gpt2.c_fc) is Conv1D and ours.cukit_patch_report.counts == {"linear": 12, "fuse_activations": 5}
-    _, ours = pair(Blocks, linear=False, conv1d=False, fuse_activations=False, **LINEAR_ONLY)
+    _, ours = pair(Blocks, **classic(conv1d=False))  # c_fc becomes cukit's to take its GELU; c_proj stays
+    assert ours.cukit_patch_report.counts == {"linear": 12, "fuse_activations": 6}
+    assert type(ours.gpt2.c_fc) is cukit.nn.Conv1D and type(ours.gpt2.c_proj) is Conv1D
+    _, ours = pair(Blocks, **classic(linear=False, conv1d=False, fuse_activations=False))
     assert ours.cukit_patch_report.counts == {} and "0 changed (no changes)" in str(ours.cukit_patch_report)
 
 
@@ -226,12 +242,12 @@ def test_idempotent_and_not_inplace():
     assert again is ours and str(ours) == before and again.cukit_patch_report.counts == {}
     check_same(ref, ours, torch.randn(2, 8), grads=False)
     copy_ = cukit.nn.patch(ref, inplace=False)
-    assert copy_ is not ref and type(ref.out) is nn.Linear and type(copy_.out) is cukit.nn.Linear
-    assert copy_.out.weight is not ref.out.weight and not hasattr(ref, "cukit_patch_report")
+    assert copy_ is not ref and type(ref.bert.dense) is nn.Linear and type(copy_.bert.dense) is cukit.nn.Linear
+    assert copy_.bert.dense.weight is not ref.bert.dense.weight and not hasattr(ref, "cukit_patch_report")
 
 
 def test_report_and_verbose(capsys):
-    model = cukit.nn.patch(mlp(), verbose=True)
+    model = cukit.nn.patch(mlp(), verbose=True, linear=True)
     out = capsys.readouterr().out
     assert out.strip() == str(model.cukit_patch_report)
     lines = out.splitlines()
@@ -253,7 +269,7 @@ def test_errors():
 
 def test_rules_are_a_registry():
     assert [n for n in RULES if n in CLASSIC] == list(CLASSIC) and list(RULES)[:2] == ["linear", "conv1d"]
-    assert all(r.default and r.doc for r in RULES.values())
+    assert all(r.doc for r in RULES.values()) and [n for n, r in RULES.items() if not r.default] == ["linear", "conv1d"]
     rules = list(RULES)
     seen = []
 
@@ -312,11 +328,11 @@ def tiny_gpt2() -> nn.Module:
 
 
 @pytest.mark.parametrize(("make", "counts"), [
-    # 7 linears per layer + lm_head; per layer a gated MLP, a rotary embedding, 2 RMSNorms; the final
-    # norm; the labels loss (the MLPs' activation is the gated kernel's, so nothing left to fuse)
-    (tiny_llama, {"linear": 15, "gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5}),
-    # lm_head; c_attn, c_proj x 2 per layer; 2 LayerNorms per layer and the final one
-    (tiny_gpt2, {"linear": 1, "conv1d": 8, "fuse_activations": 2, "layer_norm": 5}),
+    # per layer a gated MLP, a rotary embedding, 2 RMSNorms; the final norm; the labels loss. The
+    # linears stay torch's: the MLPs' activation is the gated kernel's, so none has one to fuse
+    (tiny_llama, {"gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5}),
+    # c_fc + GELU per layer (c_fc becomes cukit's Conv1D); 2 LayerNorms per layer and the final one
+    (tiny_gpt2, {"fuse_activations": 2, "layer_norm": 5}),
 ])
 def test_transformers_models(make, counts):
     ref, ours = pair(make, torch.float64)

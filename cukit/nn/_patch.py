@@ -143,26 +143,48 @@ def patch(
     linear_types: Iterable[type[nn.Linear]] = (),
     **switches: bool,
 ) -> ModelT:
-    """Swap cukit's kernels into `model`: each ``nn.Linear`` becomes ``cukit.nn.Linear``, and
-    ``act(linear(x))`` becomes one fused ``cukit.linear(x, W, b, act)`` wherever that is exact.
+    """Swap cukit's fused kernels into `model`: ``act(linear(x))`` becomes one
+    ``cukit.linear(x, W, b, act)`` wherever that is exact, and the norms, gated MLPs, rotary
+    embeddings and the LM head's loss of transformers' models become cukit's fused kernels.
+
+    A linear layer with nothing to fuse stays torch's by default: cuBLAS's GEMM behind torch's C++
+    autograd node is as fast as cukit's GEMM and cheaper on the host than a Python autograd node
+    (``linear=True`` swaps it anyway).
 
     Switches (keyword only; one per rule in :data:`RULES`, in the order they run):
-        linear=True: exact ``torch.nn.Linear`` modules (and the subclasses in `linear_types`) ->
-            ``cukit.nn.Linear``. Other subclasses are skipped, because their forward may differ.
-        conv1d=True: transformers' ``Conv1D`` (GPT-2; weight (in, out)) -> ``cukit.nn.Conv1D``,
-            found by class name and structure, never by importing transformers.
+        linear=False: every exact ``torch.nn.Linear`` (and the subclasses in `linear_types`) ->
+            ``cukit.nn.Linear``, with or without an activation to fuse. Other subclasses are
+            skipped, because their forward may differ.
+        conv1d=False: likewise every transformers ``Conv1D`` (GPT-2; weight (in, out)) ->
+            ``cukit.nn.Conv1D``, found by class name and structure, never by importing transformers.
         fuse_activations=True: an activation (ReLU, GELU erf/tanh, SiLU, transformers'
             GELUActivation, NewGELUActivation, GELUTanh, PytorchGELUTanh, SiLUActivation, ...)
-            that directly follows a cukit linear moves into that linear's epilogue, and the module
-            it came from becomes ``nn.Identity``. This is done inside ``nn.Sequential`` and in
-            these known blocks, which are found by attribute names and by the names their forward
-            reads: Llama-style gated MLP (``down(act(gate(x)) * up(x))``: fused into gate_proj),
+            that directly follows a linear layer (torch's ``nn.Linear``, a `linear_types`
+            subclass, transformers' ``Conv1D`` or cukit's) moves into its epilogue: the linear
+            becomes cukit's (class swapped) and the activation's module becomes ``nn.Identity``.
+            This is done inside ``nn.Sequential`` and in these known blocks, which are found by
+            attribute names and by the names their forward reads: Llama-style gated MLP
+            (``down(act(gate(x)) * up(x))``: fused into gate_proj when gated_mlp is off),
             ``BertIntermediate``, ``GPT2MLP``, timm's ``Mlp`` (only when ``norm`` is Identity) and
             the ``fc1``/``activation_fn``/``fc2`` MLP of CLIP, SigLIP, ViT and Phi.
             Skipped, with the reason in the report: inexact activations (FastGELU, QuickGELU),
             linears with forward or backward hooks (the fused output is what they would see),
             activations with hooks, modules shared by several parents, forwards replaced on the
-            instance (accelerate hooks), and linears that are not cukit's (``linear=False``).
+            instance (accelerate hooks), and ``nn.Linear`` subclasses not in `linear_types`.
+
+        The rules of the other cukit.nn modules register themselves (``register_rule``), all on by
+        default; ``cukit.nn._patch.RULES`` lists them in the order they run:
+        gated_mlp=True (runs before fuse_activations): ``down_proj(act(gate_proj(x)) * up_proj(x))``
+            -> the activation and the product in one kernel (``cukit.swiglu`` / ``cukit.geglu``).
+        rope=True: transformers' ``apply_rotary_pos_emb`` in Llama-family attention ->
+            ``cukit.rotary_embedding`` on q and k in place of the two rotations.
+        conv2d=True: ``torch.nn.Conv2d`` -> ``cukit.nn.Conv2d`` (implicit GEMM), with a following
+            ReLU/GELU/SiLU in an ``nn.Sequential`` fused into it while fuse_activations is on.
+        lm_head_loss=True: ``*ForCausalLM`` called with ``labels`` -> ``cukit.linear_cross_entropy``
+            over ``lm_head`` (the logits are never made); calls without labels are unchanged.
+        rms_norm=True: transformers' RMSNorm modules (Llama-, Gemma- and OLMo-2-style) and
+            ``torch.nn.RMSNorm`` over the last dim -> ``cukit.nn.RMSNorm``.
+        layer_norm=True: ``torch.nn.LayerNorm`` over the last dim -> ``cukit.nn.LayerNorm``.
 
     Args:
         model: any ``nn.Module``, on any device, in float16, bfloat16, float32 or float64.
@@ -306,12 +328,51 @@ def activation_of(m: nn.Module) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _not_cukit(lin: nn.Module, ctx: PatchContext) -> str | None:
+def _linear_why_not(m: nn.Module, ctx: PatchContext) -> str | None:
+    """Why torch's linear `m` cannot become ``cukit.nn.Linear`` (None: it can)."""
+    t = type(m)
+    if t is not nn.Linear and t not in ctx.linear_types:
+        return f"{_type_name(t)} subclasses torch.nn.Linear; its forward may differ (see linear_types)"
+    return _instance_forward(m)
+
+
+def _to_cukit_linear(m: nn.Module) -> str:
+    """Swap an exact torch linear's class to ``cukit.nn.Linear`` in place; what changed."""
+    t = type(m)
+    m.__class__ = Linear
+    m.activation = None
+    return f"{_type_name(t)} -> cukit.nn.Linear"
+
+
+def _conv1d_why_not(m: nn.Module) -> str | None:
+    """Why transformers' ``Conv1D`` `m` cannot become ``cukit.nn.Conv1D`` (None: it can)."""
+    w, b, nf = getattr(m, "weight", None), getattr(m, "bias", None), getattr(m, "nf", None)
+    like_hf = (
+        isinstance(w, nn.Parameter)
+        and w.ndim == 2
+        and w.shape[1] == nf
+        and (b is None or (isinstance(b, nn.Parameter) and tuple(b.shape) == (nf,)))
+        and {"addmm", "weight", "bias"} <= _reads(type(m).forward)
+    )
+    if not like_hf:
+        return "Conv1D unlike transformers' (nf; weight (nx, nf); bias (nf,); forward addmm(bias, x, weight))"
+    return _instance_forward(m)
+
+
+def _to_cukit_conv1d(m: nn.Module) -> str:
+    m.__class__ = Conv1D
+    m.nx, m.activation = m.weight.shape[0], None
+    return "Conv1D -> cukit.nn.Conv1D"
+
+
+def _cukit_why_not(lin: nn.Module, ctx: PatchContext) -> str | None:
+    """Why the linear `lin` (torch's, transformers' Conv1D or cukit's) cannot carry a fused
+    activation (None: it is cukit's, or can become cukit's)."""
     if isinstance(lin, (Linear, Conv1D)):
         return None
-    t = type(lin)
-    rule = "linear" if t is nn.Linear else "conv1d" if t.__name__ == "Conv1D" else None
-    return f"{_type_name(t)} is not a cukit linear" + (f" ({rule}=False)" if rule and rule not in ctx.enabled else "")
+    if isinstance(lin, nn.Linear):
+        return _linear_why_not(lin, ctx)
+    return _conv1d_why_not(lin)
 
 
 def _fuse(parent: nn.Module, pname: str, lin_key: str, act_key: str, ctx: PatchContext) -> Change | None:
@@ -329,8 +390,8 @@ def _fuse(parent: nn.Module, pname: str, lin_key: str, act_key: str, ctx: PatchC
     if fn is None:
         return Change(where, f"{act_key}: {why}", skipped=True)
     reason = (
-        _not_cukit(lin, ctx)
-        or (f"already applies {lin.activation!r}" if lin.activation is not None else None)
+        _cukit_why_not(lin, ctx)
+        or (f"already applies {lin.activation!r}" if getattr(lin, "activation", None) is not None else None)
         or _hooks(lin, inputs_too=False)
         or _hooks(act, inputs_too=True)
         or _instance_forward(lin)
@@ -339,11 +400,14 @@ def _fuse(parent: nn.Module, pname: str, lin_key: str, act_key: str, ctx: PatchC
     )
     if reason:
         return Change(where, f"{act_key} ({type(act).__name__}) not fused: {reason}", skipped=True)
+    swapped = ""
+    if not isinstance(lin, (Linear, Conv1D)):
+        swapped = (_to_cukit_linear(lin) if isinstance(lin, nn.Linear) else _to_cukit_conv1d(lin)) + ", "
     lin.activation = fn
     identity = nn.Identity()
     identity.train(act.training)
     parent._modules[act_key] = identity
-    return Change(where, f"{act_key} ({type(act).__name__}) fused: activation={fn!r}, {act_key} -> Identity")
+    return Change(where, f"{swapped}{act_key} ({type(act).__name__}) fused: activation={fn!r}, {act_key} -> Identity")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,43 +415,26 @@ def _fuse(parent: nn.Module, pname: str, lin_key: str, act_key: str, ctx: PatchC
 # ---------------------------------------------------------------------------------------------
 
 
-@register_rule("linear")
+# Off by default: with nothing to fuse, cukit's GEMM replaces cuBLAS's at a similar speed and a
+# Python autograd node replaces torch's C++ one (benchmarks/NOTES.md, "What patch swaps").
+@register_rule("linear", default=False)
 def _swap_linear(name: str, m: nn.Module, ctx: PatchContext) -> list[Change]:
-    """torch.nn.Linear -> cukit.nn.Linear (the same object, its class swapped)."""
-    t = type(m)
-    if t is not nn.Linear and t not in ctx.linear_types:
-        if isinstance(m, nn.Linear) and not isinstance(m, Linear):
-            why = f"{_type_name(t)} subclasses torch.nn.Linear; its forward may differ (see linear_types)"
-            return [Change(name, why, skipped=True)]
+    """torch.nn.Linear -> cukit.nn.Linear (the same object, its class swapped), fused or not."""
+    if not isinstance(m, nn.Linear) or isinstance(m, Linear):
         return []
-    if why := _instance_forward(m):
+    if why := _linear_why_not(m, ctx):
         return [Change(name, why, skipped=True)]
-    m.__class__ = Linear
-    m.activation = None
-    return [Change(name, f"{_type_name(t)} -> cukit.nn.Linear")]
+    return [Change(name, _to_cukit_linear(m))]
 
 
-@register_rule("conv1d")
+@register_rule("conv1d", default=False)
 def _swap_conv1d(name: str, m: nn.Module, ctx: PatchContext) -> list[Change]:
     """transformers' Conv1D (y = x @ W + b, W (nx, nf)) -> cukit.nn.Conv1D, same parameters."""
     if type(m).__name__ != "Conv1D" or isinstance(m, Conv1D):
         return []
-    w, b, nf = getattr(m, "weight", None), getattr(m, "bias", None), getattr(m, "nf", None)
-    like_hf = (
-        isinstance(w, nn.Parameter)
-        and w.ndim == 2
-        and w.shape[1] == nf
-        and (b is None or (isinstance(b, nn.Parameter) and tuple(b.shape) == (nf,)))
-        and {"addmm", "weight", "bias"} <= _reads(type(m).forward)
-    )
-    if not like_hf:
-        why = "Conv1D unlike transformers' (nf; weight (nx, nf); bias (nf,); forward addmm(bias, x, weight))"
+    if why := _conv1d_why_not(m):
         return [Change(name, why, skipped=True)]
-    if why := _instance_forward(m):
-        return [Change(name, why, skipped=True)]
-    m.__class__ = Conv1D
-    m.nx, m.activation = w.shape[0], None
-    return [Change(name, "Conv1D -> cukit.nn.Conv1D")]
+    return [Change(name, _to_cukit_conv1d(m))]
 
 
 @dataclasses.dataclass(frozen=True)
