@@ -343,6 +343,51 @@ def test_transformers_models(make, counts):
     torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=tol, atol=tol)
 
 
+def tiny_causal_lm(family: str) -> nn.Module:
+    """A 2-layer *ForCausalLM of `family` from a config (transformers' own classes)."""
+    transformers = pytest.importorskip("transformers")
+    if family == "gpt2":
+        return tiny_gpt2()
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
+    config, model = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    }[family]
+    extra = {"head_dim": 16} if family == "gemma" else {}
+    return getattr(transformers, model)(getattr(transformers, config)(**common, **extra))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma", "gpt2"])
+def test_default_patch_of_causal_lms_same_loss_and_gradients(family):
+    """patch() with its defaults (every rule that applies) on each model family: the labels loss and
+    every parameter's gradient equal stock's in float64."""
+    ref = tiny_causal_lm(family).double().eval()  # no dropout: both sides see the same maths
+    torch.manual_seed(0)
+    ours = cukit.nn.patch(copy.deepcopy(ref))
+    counts = ours.cukit_patch_report.counts
+    if family == "gpt2":
+        assert counts == {"fuse_activations": 2, "layer_norm": 5}, str(ours.cukit_patch_report)
+    else:
+        assert counts == {"gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5}, str(ours.cukit_patch_report)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    ids = torch.randint(0, 128, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    l1, l2 = ref(ids, labels=labels).loss, ours(ids, labels=labels).loss
+    l1.backward()
+    l2.backward()
+    # transformers computes the loss of float64 logits in float32 (`logits.float()`), and its RMSNorm
+    # modules compute in float32 even for float64 inputs; cukit stays in float64
+    assert l1.dtype == torch.float32 and l2.dtype == (torch.float32 if family == "gpt2" else torch.float64)
+    torch.testing.assert_close(l2.double(), l1.double(), rtol=1e-6, atol=1e-6)
+    tol = 1e-10 if family == "gpt2" else 1e-6
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=n)
+
+
 # ----------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch_cuda(), reason="needs torch with CUDA and CuPy")
