@@ -168,10 +168,13 @@ template <typename T, typename A, bool FAST> struct Logit {
 //
 // Arguments (ws and the T view alias: no __restrict__ on them):
 //   ws (rows, ld) A        raw logits in; MODE_GRAD/REGRAD: the T gradient out (see the layout above)
-//   bias (V,) T or null; target (rows,) Y; cw (V,) A class weights or null
+//   bias (Vtot,) T or null; target (rows,) Y; cw (Vtot,) A class weights or null
 //   stats: [scale of the loss, scale of the gradient, sum of the class weights] (ce_stats)
 //   row_grad (rows,) A or null: u per row (MODE_REGRAD, reduction 'none'); else
-//   grad0 (1,) A or null: u = grad0[0] * stats[1] (MODE_REGRAD, 'mean'/'sum')
+//   grad0 (1,) A or null: u = grad0[0] * stats[1] (MODE_REGRAD, 'mean'/'sum'; MODE_GRAD: null
+//     means u = 1)
+//   col0, V, Vtot: the row holds columns [col0, col0 + V) of the Vtot classes (MODE_REGRAD: a
+//     vocabulary block; the other modes need the whole row: col0 = 0, V = Vtot)
 //   lse_grad (rows,) A or null: v per row (MODE_REGRAD)
 //   lse (rows,) A: written (MODE_LOSS, MODE_GRAD) or read (MODE_REGRAD); row_loss (rows,) A: written
 //   eps, z_loss, softcap: host constants (as double, converted to A)
@@ -180,8 +183,9 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
                         const acc_t<T>* __restrict__ cw, const acc_t<T>* __restrict__ stats,
                         const acc_t<T>* __restrict__ row_grad, const acc_t<T>* __restrict__ grad0,
                         const acc_t<T>* __restrict__ lse_grad, acc_t<T>* __restrict__ lse,
-                        acc_t<T>* __restrict__ row_loss, long long rows, long long V, long long ld,
-                        long long ignore_index, double eps_d, double z_loss_d, double softcap_d) {
+                        acc_t<T>* __restrict__ row_loss, long long col0, long long rows, long long V,
+                        long long ld, long long Vtot, long long ignore_index, double eps_d, double z_loss_d,
+                        double softcap_d) {
   using A = acc_t<T>;
   constexpr bool FAST = kFast<T>;
   constexpr int VEC = 16 / sizeof(A);
@@ -190,7 +194,10 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
   __shared__ Lse<A> red[kMaxWarps + 1];
 
   const A eps = A(eps_d), zl = A(z_loss_d);
-  const Logit<T, A, FAST> logit{bias, A(softcap_d), softcap_d > 0 ? A(1.0 / softcap_d) : A(0)};
+  // column c of the row is class col0 + c: the bias and the per-column class weights from col0
+  const Logit<T, A, FAST> logit{bias != nullptr ? bias + col0 : nullptr, A(softcap_d),
+                                softcap_d > 0 ? A(1.0 / softcap_d) : A(0)};
+  const A* __restrict__ cw_cols = cw != nullptr ? cw + col0 : nullptr;
   const long long nvec = V / VEC;
   const long long tail0 = nvec * VEC;  // the last V % VEC elements are handled one per thread
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -201,7 +208,8 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
     A* row = ws + r * ld;
     const long long y = static_cast<long long>(target[r]);
     const bool valid = y != ignore_index;
-    const bool bad = valid && (y < 0 || y >= V);
+    const bool bad = valid && (y < 0 || y >= Vtot);
+    const long long y_col = y - col0;  // the target's column (outside [0, V): another block's)
     const A w_y = !valid ? A(0) : bad ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
 
     A row_lse;
@@ -219,7 +227,7 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
         } else {
           acc.s = z;
         }
-        if (eps != A(0)) acc.t += cw != nullptr ? cw[c] * z : z;
+        if (eps != A(0)) acc.t += cw_cols != nullptr ? cw_cols[c] * z : z;
       };
       for (long long v = tid; v < nvec; v += 2 * static_cast<long long>(nt)) {
         const long long v2 = v + nt;
@@ -242,7 +250,7 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
         A loss = A(0);
         if (valid) {
           loss = (A(1) - eps) * w_y * (row_lse - z_y);
-          if (eps != A(0)) loss += eps / A(V) * (w_total * row_lse - all.t);  // all.t = sum_c w_c z_c
+          if (eps != A(0)) loss += eps / A(Vtot) * (w_total * row_lse - all.t);  // all.t = sum_c w_c z_c
           if (zl != A(0)) loss += zl * row_lse * row_lse;
           if (bad) loss = quiet_nan<A>();
         }
@@ -257,7 +265,7 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
       // Pass 2: the gradient. Per-row coefficients: g_c = cp p_c - cy [c = y] - cw_ w_c.
       A u, v = A(0);
       if constexpr (MODE == MODE_GRAD) {
-        u = A(1);
+        u = grad0 != nullptr ? grad0[0] * stats[1] : A(1);
       } else {
         u = row_grad != nullptr ? row_grad[r] : grad0[0] * stats[1];
         if (lse_grad != nullptr) v = lse_grad[r];
@@ -265,16 +273,16 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
       A cp = v, cy = A(0), cwc = A(0);
       if (valid) {
         const A a = (A(1) - eps) * w_y;
-        cp += u * (a + eps / A(V) * w_total + A(2) * zl * row_lse);
+        cp += u * (a + eps / A(Vtot) * w_total + A(2) * zl * row_lse);
         cy = u * a;
-        cwc = u * eps / A(V);
+        cwc = u * eps / A(Vtot);
         if (bad) cp = cy = cwc = quiet_nan<A>();
       }
       T* grow = reinterpret_cast<T*>(row);
       auto grad = [&](A z, long long c) {
         A g = cp * exp_<FAST>(z - row_lse);
-        if (cwc != A(0)) g -= cwc * (cw != nullptr ? cw[c] : A(1));
-        if (c == y) g -= cy;
+        if (cwc != A(0)) g -= cwc * (cw_cols != nullptr ? cw_cols[c] : A(1));
+        if (c == y_col) g -= cy;
         return from_acc<T>(g * logit.slope(z));
       };
       // The tail is never overwritten by the vector loop (it writes T elements < tail0, i.e. A

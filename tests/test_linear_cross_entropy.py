@@ -362,12 +362,16 @@ class TorchSteps:
         stats.copy_(lce.stats_torch(target[:n], cw, self.plan.V, sp.ignore_index, sp.reduction == "mean",
                                     stats.dtype))
 
-    def rows(self, mode, ws, bias, target, cw, stats, row_grad, grad0, lse_grad, lse, row_loss, r0, n, stream):
+    def rows(self, mode, ws, bias, target, cw, stats, row_grad, grad0, lse_grad, lse, row_loss, r0, n, stream, *,
+             col0=0, cols=None, ld=None):
         p, sp = self.plan, self.plan.spec
-        self.calls.append(f"rows{mode}:{r0}+{n}")
-        z = ws[:n, :p.V].clone()
+        cols = p.V if cols is None else cols
+        assert (col0, cols) == (0, p.V) or mode == lce.MODE_REGRAD, "a block of classes only for the regrad"
+        assert ld is None or ws.shape[1] == ld
+        self.calls.append(f"rows{mode}:{r0}+{n}" + (f"@{col0}+{cols}" if cols != p.V else ""))
+        z = ws[:n, :cols].clone()
         if bias is not None:
-            z = z + bias.to(z.dtype)
+            z = z + bias[col0:col0 + cols].to(z.dtype)
         if sp.softcap:
             z = sp.softcap * torch.tanh(z / sp.softcap)
         y = target[r0:r0 + n].long()
@@ -379,14 +383,19 @@ class TorchSteps:
             row_loss[r0:r0 + n] = lce.row_loss_torch(z, y, cw, lz, sp.ignore_index, sp.label_smoothing, sp.z_loss)
         if mode == lce.MODE_LOSS:
             return
-        if mode == lce.MODE_GRAD:
+        if mode == lce.MODE_GRAD and grad0 is None:
             u = torch.ones(n, dtype=z.dtype)
         else:
             u = row_grad[r0:r0 + n] if row_grad is not None else (grad0 * stats[1]).expand(n)
         v = None if lse_grad is None else lse_grad[r0:r0 + n]
-        g = lce.dlogits_torch(z, y, cw, lz, stats, u, v, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap)
+        # a block of classes: its columns placed in a full row (each column's gradient depends on its
+        # own logit and the row's saved lse only)
+        full = z.new_zeros(n, p.V)
+        full[:, col0:col0 + cols] = z
+        g = lce.dlogits_torch(full, y, cw, lz, stats, u, v, sp.ignore_index, sp.label_smoothing, sp.z_loss,
+                              sp.softcap)[:, col0:col0 + cols]
         view = ws.view(DT[p.dtype]) if p.narrow else ws
-        view[:n, :p.V] = g  # rounded once to the input dtype, over the logits it came from
+        view[:n, :cols] = g  # rounded once to the input dtype, over the logits it came from
 
     def total(self, row_loss, stats, out, n, stream):
         out.copy_(row_loss[:n].sum() * stats[0])
@@ -426,28 +435,32 @@ def emulated_gemm():
     return mock.patch.object(matmul, "gemm", fake_gemm, create=True)
 
 
-def emulated_plan(x, w, y, spec, tc, accumulate="float32"):
+def emulated_plan(x, w, y, spec, tc, accumulate="float32", vb=0):
     dtype = str(x.dtype).removeprefix("torch.")
     acc = "float64" if dtype == "float64" else "float32"
     T, H, V = x.shape[0], x.shape[1], w.shape[0]
-    plan = lce.Plan(T, H, V, max(1, min(tc, T)), lce._ld(V, 8 if acc == "float64" else 4), dtype, acc, spec,
-                    accumulate, None)
+    asize = 8 if acc == "float64" else 4
+    vb = min(vb, V)
+    plan = lce.Plan(T, H, V, max(1, min(tc, T)), lce._ld(V, asize), dtype, acc, spec, accumulate, None, vb,
+                    lce._ld(vb, asize) if vb else 0)
     plan.steps = TorchSteps(plan)
     return plan
 
 
 def emulated_call(x, w, y, b, cw, *, reduction="mean", tc=3, accumulate="float32", grad_loss=None, grad_lse=None,
-                  **opts):
+                  vb=None, **opts):
     """The GPU path on the CPU: forward with gradients ('mean'/'sum') and the torch layer's
-    finishing, or forward + recomputing backward ('none', or an lse gradient)."""
+    finishing, or forward + recomputing backward ('none', or an lse gradient). `vb`: classes per
+    block of "recompute" (default 4)."""
     spec = lce.check_spec(reduction, None, opts.get("label_smoothing", 0.0), opts.get("z_loss", 0.0),
                           opts.get("softcap"), False)
     with emulated_gemm():
-        return _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse)
+        return _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse, vb)
 
 
-def _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse):
-    plan = emulated_plan(x, w, y, spec, tc, accumulate)
+def _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse, vb=None):
+    vb = (4 if vb is None else vb) if accumulate == "recompute" else 0
+    plan = emulated_plan(x, w, y, spec, tc, accumulate, vb)
     acc = DT[plan.acc]
     cwa = None if cw is None else cw.to(acc)
     precompute = reduction != "none" and grad_lse is None
@@ -456,7 +469,7 @@ def _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_l
                                                          need_db=precompute and b is not None)
     gl = torch.ones_like(loss) if grad_loss is None else grad_loss.to(acc)
     if precompute:
-        s = stats[1] * gl
+        s = gl if accumulate == "recompute" else stats[1] * gl  # (the torch layer's _finish)
         dx = (dx_b.to(acc) * s).to(x.dtype)
         dw = (dw_b.to(acc) * s / plan.dw_alpha()).to(w.dtype)
         db = None if b is None else (db_b * s).to(b.dtype)
@@ -477,28 +490,60 @@ GRAD_TOL = {"float64": 1e-12, "float32": 1e-4, "bfloat16": 4 * 2.0**-8, "float16
        tc=st.sampled_from([1, 2, 3, 5, 64]), reduction=st.sampled_from(REDUCTIONS),
        dtype=st.sampled_from(["float64", "float32", "bfloat16"]), bias=st.booleans(), weights=st.booleans(),
        ls=st.sampled_from([0.0, 0.2]), zl=st.sampled_from([0.0, 0.01]), cap=st.sampled_from([None, 4.0]),
-       lse_grad=st.booleans(), ignored=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**16))
-@settings(max_examples=60)
+       lse_grad=st.booleans(), ignored=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**16),
+       accumulate=st.sampled_from(["float32", "recompute"]), vb=st.sampled_from([1, 2, 5, 64]))
+@settings(max_examples=80)
 def test_cpu_emulated_chunk_loops_match_oracle(T, H, V, tc, reduction, dtype, bias, weights, ls, zl,
-                                               cap, lse_grad, ignored, seed):
+                                               cap, lse_grad, ignored, seed, accumulate, vb):
     x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=bias, weights=weights, seed=seed, ignore_frac=ignored)
     opts = {"label_smoothing": ls, "z_loss": zl, "softcap": cap}
     gen = torch.Generator().manual_seed(seed)
     gl = torch.randn(() if reduction != "none" else (T,), generator=gen, dtype=torch.float64)
     gz = torch.randn(T, generator=gen, dtype=torch.float64) if lse_grad else None
     loss, lse, dx, dw, db, _ = emulated_call(x, w, y, b, cw, reduction=reduction, tc=tc, grad_loss=gl,
-                                             grad_lse=gz, **opts)
+                                             grad_lse=gz, accumulate=accumulate, vb=vb, **opts)
     exp = oracle(x, w, y, b, cw, reduction=reduction, grad_loss=gl, grad_lse=gz, **opts)
     lt = TOL["float64" if dtype == "float64" else "float32"]
     assert_close(loss, exp[0], atol=lt[0], rtol=lt[1])
     assert_close(lse.reshape(-1), exp[1].reshape(-1), atol=lt[0], rtol=lt[1])
     bounds = grad_bounds(x, w, y, b, cw, reduction=reduction, grad_loss=gl, grad_lse=gz, **opts)
-    check_grads((dx, dw, db), exp[2:], bounds, GRAD_TOL[dtype])
+    # "recompute" rounds the scaled gradients in the forward and multiplies the upstream gradient
+    # (random here, not a power of two) after: a second rounding
+    check_grads((dx, dw, db), exp[2:], bounds, GRAD_TOL[dtype] * (2 if accumulate == "recompute" else 1))
+
+
+def test_cpu_emulated_recompute_passes():
+    # the first pass over 4-token chunks (gradient scaled by the reduction, dx per chunk), the
+    # second over blocks of 3 classes of every token (dW rows per block)
+    x, w, y, _, _ = make(10, 4, 7, dtype=torch.float32)
+    *_, plan = emulated_call(x, w, y, None, None, tc=4, accumulate="recompute", vb=3)
+    assert plan.steps.calls == ["rows1:0+4", "rows1:4+4", "rows1:8+2", "rows2:0+10@0+3", "rows2:0+10@3+3",
+                                "rows2:0+10@6+1"]
+    assert (plan.vb, plan.ldb) == (3, 8)
+    # 'none': the recomputing backward's two passes
+    *_, plan = emulated_call(x, w, y, None, None, tc=4, reduction="none", accumulate="recompute", vb=4)
+    assert plan.steps.calls[3:] == ["rows2:0+4", "rows2:4+4", "rows2:8+2", "rows2:0+10@0+4", "rows2:0+10@4+3"]
+
+
+def test_cpu_emulated_recompute_is_exact_in_bf16():
+    # dW of every block from one GEMM over all tokens, rounded once: the error of one rounding, as
+    # float32 accumulation's (its gradient is rounded at another scale: not bitwise the same), and
+    # below 'input''s, which rounds dW once per chunk (16 chunks here)
+    x, w, y, _, _ = make(256, 32, 64, dtype=torch.bfloat16, seed=3)
+    exp = oracle(x, w, y)
+
+    def errs(**kw):
+        return [rel_err(t, e) for t, e in zip(emulated_call(x, w, y, None, None, tc=16, **kw)[2:4], exp[2:4],
+                                              strict=True)]
+
+    e32, erc, ein = errs(), errs(accumulate="recompute", vb=24), errs(accumulate="input")
+    assert max(erc) <= 2 ** -8 and all(a <= 1.5 * b for a, b in zip(erc, e32, strict=True)), (erc, e32)
+    assert erc[1] < ein[1], (erc, ein)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 @pytest.mark.parametrize("reduction,lse_grad", [("mean", False), ("sum", True), ("none", False)])
-@pytest.mark.parametrize("accumulate", ["float32", "input"])
+@pytest.mark.parametrize("accumulate", ["float32", "input", "recompute"])
 def test_cpu_chunk_loops_with_cukit_gemm(dtype, reduction, lse_grad, accumulate):
     # the chunk loops through cukit.ops.matmul.gemm itself (its CPU reference): the entry accepts the
     # operands the GPU path hands it (a padded fp32 out, g with row stride 2 ld, g.T column-major,
@@ -562,6 +607,13 @@ def test_options_chunking_and_translation():
     assert o.chunk_rows(100, 128256, 4096) == 100 and o.chunk_rows(8192, 10**9, 64, "float32") == 1
     assert cukit.LinearCrossEntropyOptions(chunk_size=77).chunk_rows(50, 10) == 50
     assert cukit.LinearCrossEntropyOptions(workspace_bytes=64 << 20).chunk_rows(8192, 128256, 4096) == 128
+    # "recompute": first-pass chunks up to dW's size (1,002 MiB: 2,048 tokens), second-pass blocks of
+    # every token's logits within workspace_bytes (64 MiB: 2,048 classes), at least 128 classes
+    rc = cukit.LinearCrossEntropyOptions(grad_accumulation="recompute")
+    assert rc.chunk_rows(8192, 128256, 4096) == 2048 and rc.vocab_block(8192, 128256) == 2048
+    assert rc.vocab_block(8192, 100) == 100 and rc.vocab_block(10**7, 128256) == 128
+    assert rc.chunk_rows(4096, 32000, 1024) == 512 and rc.vocab_block(4096, 32000, "float64") == 2048
+    assert o.vocab_block(8192, 128256) == 0 and lean.vocab_block(8192, 128256) == 0
     t = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256, acc_policy="compact")
     r = lce.resolve_options(t, 8192, 4096, 128256)
     assert r.chunk_size == 256 and r.grad_accumulation == "input"
@@ -759,16 +811,17 @@ def _cuda_call(x, w, y, b, cw, *, reduction, options=None, grad_loss=None, grad_
 
 def _check_gpu(got, exp, dtype, bounds=None, chunks=1, accumulate="float32"):
     """Loss and lse to float32 accuracy; each gradient within its error bound (grad_bounds) when
-    given, else normwise. "input" accumulation of 16-bit dW adds one rounding per chunk."""
+    given, else normwise. "input" accumulation of 16-bit dW adds one rounding per chunk;
+    "recompute" a rounding of the upstream gradient's product (random here, not a power of two)."""
     loss, lse = got[0], got[1]
     lt = 1e-9 if dtype == "float64" else 2e-5
     assert_close(loss.cpu(), exp[0], atol=lt, rtol=lt)
     assert_close(lse.cpu(), exp[1], atol=lt, rtol=lt)
     if bounds is not None:
-        dw_tol = None
+        dw_tol, tol = None, GRAD_TOL[dtype] * (2 if accumulate == "recompute" else 1)
         if accumulate == "input" and dtype in ("bfloat16", "float16"):
             dw_tol = GRAD_TOL[dtype] * max(1.0, 2 * math.sqrt(chunks))
-        check_grads(got[2:], exp[2:], bounds, GRAD_TOL[dtype], dw_tol)
+        check_grads(got[2:], exp[2:], bounds, tol, dw_tol)
         return
     for g, e in zip(got[2:], exp[2:], strict=True):
         if e is not None:
@@ -782,7 +835,7 @@ def _check_gpu(got, exp, dtype, bounds=None, chunks=1, accumulate="float32"):
        dtype=st.sampled_from(["bfloat16", "float16", "float32", "float64"]), bias=st.booleans(),
        weights=st.booleans(), ls=st.sampled_from([0.0, 0.1]), zl=st.sampled_from([0.0, 1e-3]),
        cap=st.sampled_from([None, 10.0]), chunk=st.sampled_from([None, 1, 64, 100]),
-       accumulate=st.sampled_from(["float32", "input"]), lse_grad=st.booleans(),
+       accumulate=st.sampled_from(["float32", "input", "recompute"]), lse_grad=st.booleans(),
        ignored=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**16))
 def test_gpu_matches_oracle(T, H, V, reduction, dtype, bias, weights, ls, zl, cap, chunk, accumulate, lse_grad,
                             ignored, seed):
@@ -905,7 +958,7 @@ def test_gpu_cuda_graph_capture_and_replay(reduction):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("accumulate", ["float32", "input"])
+@pytest.mark.parametrize("accumulate", ["float32", "input", "recompute"])
 def test_gpu_peak_memory_is_bounded(accumulate):
     # 4096 tokens x 1024 x 32000 bf16: the logits alone would be 250 MiB in bf16, 500 in fp32
     T, H, V = 4096, 1024, 32000
@@ -925,7 +978,7 @@ def test_gpu_peak_memory_is_bounded(accumulate):
     dw16, dx16 = V * H * 2, T * H * 2
     if accumulate == "float32":  # fp32 dW and dx accumulators, then their bf16 roundings
         bound = 2 * dw16 + dw16 + 2 * dx16 + dx16 + ws + (8 << 20)
-    else:
+    else:  # "recompute": the first pass's chunk (<= dW's size) lives before dW, the block after
         bound = dw16 + dx16 + ws + (8 << 20)
     assert peak <= bound, f"peak {peak / 2**20:.0f} MiB above inputs > bound {bound / 2**20:.0f} MiB"
 

@@ -61,8 +61,12 @@ FN = "cukit.linear_cross_entropy"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 TARGET_DTYPES = ("int64", "int32")
 REDUCTIONS: dict[str, int] = {"none": 0, "mean": 1, "sum": 2}
-ACCUMULATIONS = ("float32", "input")
+ACCUMULATIONS = ("float32", "input", "recompute")
 DEFAULT_WORKSPACE_BYTES = 256 << 20
+# "recompute": the second pass's workspace (every token's logits for a block of classes) when
+# workspace_bytes is None, and the fewest classes per block
+RECOMPUTE_BLOCK_BYTES = 64 << 20
+_MIN_VOCAB_BLOCK = 128
 IGNORE_INDEX = -100  # ignore_index=None, as torch maps it
 
 # ce_rows modes (enum Mode in cross_entropy.cu)
@@ -97,7 +101,8 @@ KERNELS = KernelModule(
     "cross_entropy.cu",
     instantiations=_instantiations(),
     signatures={
-        "ce_rows": "ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr i64 i64 i64 i64 f64 f64 f64",
+        # the first column (col0) is given per call, after the pointers
+        "ce_rows": "ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 f64 f64 f64",
         "ce_stats": "ptr ptr ptr i64 i64 i64 i32",
         "ce_total": "ptr ptr ptr i64",
         "ce_colsum": "ptr ptr i64 i64 i64 i64",
@@ -157,7 +162,19 @@ class LinearCrossEntropyOptions:
             (bf16) under 1,150 MiB (the memory target), at the price of 128-token chunks whose
             dW GEMMs are bound by reading and writing dW. float16 partial sums are kept in range
             by a 1 / T factor.
-            float32 and float64 inputs accumulate in their own dtype either way.
+            "recompute" (exact, minimum memory, one more GEMM): no float32 gradient buffers. A
+            first pass over chunks of tokens computes each chunk's log-sum-exp, loss and dx (one
+            GEMM over the whole vocabulary per chunk, fp32 inside it, rounded once); a second
+            pass recomputes the logits of every token for one block of classes at a time and
+            writes that block's rows of dW from one GEMM over all tokens (rounded once). The
+            reduction's scale is applied before rounding; the upstream gradient after, which is
+            exact when it is 1 or a power of two (``loss.backward()``, a GradScaler's scale).
+            ``workspace_bytes`` (default 64 MiB) bounds the second pass's block, which sets the
+            peak: dW + dx + the block, ~1,130 MiB at 8,192 x 4,096 x 128,256 (bf16); the first
+            pass's chunk may take up to dW's size as well (dW does not exist yet). Costs a
+            fourth GEMM of the logits' size. float16 gradients scaled by 1 / tokens before a
+            GradScaler's scale can lose their smallest entries: prefer "float32" for float16.
+            float32 and float64 inputs accumulate in their own dtype in every mode.
         allow_retain_graph: the backward of 'mean' / 'sum' scales and releases the gradients the
             forward computed (in place where it can); a second backward through the same graph
             (``retain_graph=True``) then recomputes them from the saved lse, as 'none' does. True
@@ -191,13 +208,17 @@ class LinearCrossEntropyOptions:
             raise TypeError(f"{where}: allow_retain_graph must be True or False; got {self.allow_retain_graph!r}")
 
     def chunk_rows(self, tokens: int, vocab: int, hidden: int = 0, dtype: str = "bfloat16") -> int:
-        """Tokens per chunk for `tokens` x `hidden` -> `vocab` in `dtype` (see `chunk_size`)."""
+        """Tokens per chunk for `tokens` x `hidden` -> `vocab` in `dtype` (see `chunk_size`; with
+        "recompute", the first pass's chunk)."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, tokens))
         asize = 8 if dtype == "float64" else 4
         row = _ld(vocab, asize) * asize
         budget = self.workspace_bytes
-        if budget is None:
+        if self.grad_accumulation == "recompute":
+            # the first pass runs before dW is allocated: a chunk the size of dW adds no peak
+            budget = max(budget or RECOMPUTE_BLOCK_BYTES, vocab * hidden * DTYPES[dtype].itemsize)
+        elif budget is None:
             budget = DEFAULT_WORKSPACE_BYTES
             if self.grad_accumulation == "float32" and dtype in ("float16", "bfloat16"):
                 budget = max(budget, min(vocab * hidden * 2, _COMPUTE_BOUND_ROWS * row))
@@ -205,6 +226,18 @@ class LinearCrossEntropyOptions:
         if tc >= 128:
             tc -= tc % 128
         return max(1, min(tc, tokens))
+
+    def vocab_block(self, tokens: int, vocab: int, dtype: str = "bfloat16") -> int:
+        """Classes per block of the "recompute" mode's second pass (0 in the other modes): as
+        many as keep every token's logits for the block within ``workspace_bytes`` (default
+        64 MiB), a multiple of 128, at least 128 (or the vocabulary)."""
+        if self.grad_accumulation != "recompute":
+            return 0
+        asize = 8 if dtype == "float64" else 4
+        budget = self.workspace_bytes or RECOMPUTE_BLOCK_BYTES
+        cols = budget // (max(tokens, 1) * asize)
+        cols -= cols % _MIN_VOCAB_BLOCK
+        return max(1, min(vocab, max(cols, _MIN_VOCAB_BLOCK)))
 
 
 def _is_int(v: Any) -> bool:
@@ -482,7 +515,7 @@ def linear_cross_entropy(
         return (loss, lse) if return_lse else loss
     out = forward_gpu(input.reshape(T, input.shape[-1]), linear_weight, target.reshape(T), linear_bias, weight,
                       spec, opts.chunk_rows(T, V, int(input.shape[-1]), dtype_name(input, kind)),
-                      opts.grad_accumulation)
+                      opts.grad_accumulation, opts.vocab_block(T, V, dtype_name(input, kind)))
     loss = out[0] if spec.reduction != "none" else out[0].reshape(target.shape)
     return (loss, out[1].reshape(target.shape)) if return_lse else loss
 
@@ -744,24 +777,28 @@ class DeviceSteps:
         run((_ptr(target), _ptr(cw), _ptr(stats)), stream)
 
     def rows(self, mode: int, ws: Any, bias: Any, target: Any, cw: Any, stats: Any, row_grad: Any, grad0: Any,
-             lse_grad: Any, lse: Any, row_loss: Any, r0: int, n: int, stream: Any) -> None:
-        """ce_rows over rows [r0, r0 + n) of the per-token arrays, rows [0, n) of ws."""
+             lse_grad: Any, lse: Any, row_loss: Any, r0: int, n: int, stream: Any, *, col0: int = 0,
+             cols: int | None = None, ld: int | None = None) -> None:
+        """ce_rows over rows [r0, r0 + n) of the per-token arrays, rows [0, n) of ws (row stride
+        `ld`, default the plan's), each holding the classes [col0, col0 + cols) (default all)."""
         sp = self.spec
-        key = ("rows", mode, n)
+        cols = self.V if cols is None else cols
+        ld = self.ld if ld is None else ld
+        key = ("rows", mode, n, cols, ld)
         run = self._launches.get(key)
         if run is None:
-            nvec = -(-self.V // (16 // self.asize))
+            nvec = -(-cols // (16 // self.asize))
             threads = min(_ROW_THREADS, max(32, -(-nvec // 32) * 32))
             grid = max(1, min(n, sm_count(self.device) * _ROW_BLOCKS_PER_SM))
             run = self._get(key, f"ce_rows<{self.t}, {self.y}, {mode}>", (grid,), (threads,),
-                            (n, self.V, self.ld, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap))
+                            (n, cols, ld, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap))
         a = self.asize * r0
 
         def at(x: Any) -> int:
             return 0 if x is None else _ptr(x) + a
 
         run((_ptr(ws), _ptr(bias), _ptr(target) + self.ysize * r0, _ptr(cw), _ptr(stats), at(row_grad), _ptr(grad0),
-             at(lse_grad), at(lse), at(row_loss)), stream)
+             at(lse_grad), at(lse), at(row_loss), np.int64(col0)), stream)
 
     def total(self, row_loss: Any, stats: Any, out: Any, n: int, stream: Any) -> None:
         """out = stats[0] * sum(row_loss)."""
@@ -829,8 +866,14 @@ class Plan:
     dtype: str
     acc: str
     spec: Spec
-    accumulate: str  # "float32" or "input"
+    accumulate: str  # "float32", "input" or "recompute"
     steps: Any
+    vb: int = 0  # "recompute": classes per block of the second pass
+    ldb: int = 0  # "recompute": the second pass's workspace row stride
+
+    @property
+    def recompute(self) -> bool:
+        return self.accumulate == "recompute"
 
     @property
     def narrow(self) -> bool:
@@ -850,7 +893,7 @@ class Plan:
 _PLANS = PlanCache("linear_cross_entropy", maxsize=256)
 
 
-def _key(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str) -> tuple:
+def _key(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str, vb: int) -> tuple:
     """A call's signature: what the plan and the first call's validation depend on (shapes,
     dtypes, devices of every array; the options), never the data pointers."""
     torch_kind = hasattr(x, "data_ptr")
@@ -862,11 +905,11 @@ def _key(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, a
 
     # return_lse changes nothing the kernels do: the forward and the backward share a plan
     spec = dataclasses.replace(spec, return_lse=False) if spec.return_lse else spec
-    return (torch_kind, meta(x), meta(w), meta(target), meta(bias), meta(cw), spec, tc, accumulate)
+    return (torch_kind, meta(x), meta(w), meta(target), meta(bias), meta(cw), spec, tc, accumulate, vb)
 
 
-def _plan(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str) -> Plan:
-    key = _key(x, w, target, bias, cw, spec, tc, accumulate)
+def _plan(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str, vb: int) -> Plan:
+    key = _key(x, w, target, bias, cw, spec, tc, accumulate, vb)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -876,14 +919,19 @@ def _plan(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, 
         raise ValueError(f"{FN} (GPU path): input must be a CUDA array; got an array on the CPU")
     if x.ndim != 2 or target.ndim != 1:
         raise ValueError(f"{FN} (GPU path): input must be 2-D (tokens, H) and target 1-D; got {tuple(x.shape)}")
-    if not (_is_int(tc) and tc >= 1) or accumulate not in ACCUMULATIONS:
-        raise ValueError(f"{FN} (GPU path): chunk size {tc!r} or accumulation {accumulate!r} invalid")
+    if not (_is_int(tc) and tc >= 1) or accumulate not in ACCUMULATIONS or not (
+            _is_int(vb) and (vb >= 1 if accumulate == "recompute" else vb == 0)):
+        raise ValueError(f"{FN} (GPU path): chunk size {tc!r}, accumulation {accumulate!r} or vocabulary block "
+                         f"{vb!r} invalid")
     dtype = dtype_name(x, kind)
     acc = _acc_name(dtype)
     T, H, V = int(x.shape[0]), int(x.shape[1]), int(w.shape[0])
     ld = _ld(V, DTYPES[acc].itemsize)
     steps = DeviceSteps(dtype, dtype_name(target, kind), device, V, ld, spec)
-    return _PLANS.put(key, Plan(T, H, V, min(tc, max(T, 1)), ld, dtype, acc, spec, accumulate, steps))
+    vb = min(vb, V)
+    plan = Plan(T, H, V, min(tc, max(T, 1)), ld, dtype, acc, spec, accumulate, steps, vb,
+                _ld(vb, DTYPES[acc].itemsize) if vb else 0)
+    return _PLANS.put(key, plan)
 
 
 def _prepare_inputs(x: Any, w: Any, target: Any, bias: Any, cw: Any, acc: str) -> tuple[Any, Any, Any, Any, Any]:
@@ -910,8 +958,8 @@ def _prepare_inputs(x: Any, w: Any, target: Any, bias: Any, cw: Any, acc: str) -
 
 
 def forward_gpu(
-    x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str = "float32", *,
-    need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
+    x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str = "float32",
+    vocab_block: int = 0, *, need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """The chunked forward for CuPy arrays or torch CUDA tensors: x (T, H), w (V, H), target (T,),
     bias (V,) or None, cw (V,) class weights or None; `tc` tokens per chunk.
@@ -920,9 +968,11 @@ def forward_gpu(
     lse (T,) in the accumulator dtype; for 'mean'/'sum' with need_* the gradients of the
     *unscaled* sum of the per-token losses (dx (T, H) and dW (V, H) in ``plan.grad_dtype()``, db
     (V,) in the accumulator dtype, None where not needed): the backward multiplies them by
-    ``stats[1]`` (the reduction's scale), the upstream gradient and, for dW, ``1 / plan.dw_alpha()``
-    (:func:`scale_cast_gpu`). stats: see ``ce_stats``. Validated on a signature's first call."""
-    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate)
+    ``stats[1]`` (the reduction's scale; "recompute" has applied it already), the upstream
+    gradient and, for dW, ``1 / plan.dw_alpha()`` (:func:`scale_cast_gpu`). stats: see
+    ``ce_stats``. `vocab_block`: classes per block of the "recompute" mode's second pass (0
+    otherwise). Validated on a signature's first call."""
+    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block)
     x, w, target, bias, cw = _prepare_inputs(x, w, target, bias, cw, plan.acc)
     stream = current_stream(plan.steps.device, hasattr(x, "data_ptr"))
     grads = spec.reduction != "none" and (need_dx or need_dw or need_db)
@@ -944,8 +994,11 @@ def run_forward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: Any
     grads = need_dx or need_dw or need_db
     gdt = plan.grad_dtype()
     dx_buf = _empty((T, H), gdt, x) if need_dx else None
-    dw_buf = _empty((V, H), gdt, x, zero=T == 0) if need_dw else None
+    # "recompute" allocates dW after the first pass, whose workspace may be as large
+    dw_buf = _empty((V, H), gdt, x, zero=T == 0) if need_dw and not (plan.recompute and T) else None
     db_buf = _empty((V,), acc, x, zero=T == 0) if need_db else None
+    # "recompute": the gradients come scaled by the reduction (u = one * stats[1] per row)
+    one = _ones(acc, x) if plan.recompute and grads else None
     if T:
         ws, gview, ldg = _workspace(plan, x)
         partial = _empty((-(-plan.tc // _COLSUM_ROWS), V), acc, x) if need_db else None
@@ -956,20 +1009,56 @@ def run_forward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: Any
                 _matmul.gemm(x[r0:r0 + n], w.T, logits)
             else:
                 _fill_zero(logits)
-            steps.rows(MODE_GRAD if grads else MODE_LOSS, ws, bias, target, cw, stats, None, None, None, lse,
+            steps.rows(MODE_GRAD if grads else MODE_LOSS, ws, bias, target, cw, stats, None, one, None, lse,
                        row_loss, r0, n, stream)
             if not grads:
                 continue
             g = gview[:n, :V]
             if need_dx and H:
                 _matmul.gemm(g, w, dx_buf[r0:r0 + n])
-            if need_dw and H:
+            if need_dw and H and not plan.recompute:
                 _matmul.gemm(g.T, x[r0:r0 + n], dw_buf, alpha=plan.dw_alpha(), beta=0.0 if i == 0 else 1.0)
             if need_db:
                 steps.colsum(g, ldg, partial, db_buf, n, i == 0, stream)
+        if need_dw and plan.recompute:
+            del ws, gview, partial
+            dw_buf = _empty((V, H), gdt, x)
+            _dw_by_vocab_blocks(plan, steps, stream, x, w, target, bias, cw, stats, None, one, None, lse, dw_buf)
     if not none:
         steps.total(row_loss, stats, loss, T, stream)
     return loss, lse, dx_buf, dw_buf, db_buf, stats
+
+
+def _dw_by_vocab_blocks(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: Any, bias: Any, cw: Any,
+                        stats: Any, row_grad: Any, grad0: Any, lse_grad: Any, lse: Any, dw: Any) -> None:
+    """The "recompute" mode's second pass: for each block of `plan.vb` classes, every token's
+    logits (one GEMM), their gradient from the saved lse (ce_rows MODE_REGRAD over the block's
+    columns: u = row_grad, or grad0 * stats[1]; v = lse_grad), and the block's rows of dW from one
+    GEMM over all tokens (float32 inside it, rounded once into dw)."""
+    T, H, V, vb, ldb = plan.T, plan.H, plan.V, plan.vb, plan.ldb
+    ws = _empty((T, ldb), plan.acc, x)
+    gview = _view_as(ws, plan.dtype) if plan.narrow else ws  # the gradient written over its logits
+    for c0 in range(0, V, vb):
+        nb = min(vb, V - c0)
+        logits = ws[:, :nb]
+        if H:
+            _matmul.gemm(x, w[c0:c0 + nb].T, logits)
+        else:
+            _fill_zero(logits)
+        steps.rows(MODE_REGRAD, ws, bias, target, cw, stats, row_grad, grad0, lse_grad, lse, None, 0, T, stream,
+                   col0=c0, cols=nb, ld=ldb)
+        if H:
+            _matmul.gemm(gview[:, :nb].T, x, dw[c0:c0 + nb])
+
+
+def _ones(dtype: str, like: Any) -> Any:
+    """A 1-element array holding 1 on `like`'s device (the kernels' grad0 for u = stats[1])."""
+    one = _empty((1,), dtype, like)
+    if hasattr(one, "fill_"):
+        one.fill_(1)
+    else:
+        one.fill(1)
+    return one
 
 
 def _workspace(plan: Plan, like: Any) -> tuple[Any, Any, int]:
@@ -983,13 +1072,13 @@ def _workspace(plan: Plan, like: Any) -> tuple[Any, Any, int]:
 
 def backward_gpu(
     x: Any, w: Any, target: Any, bias: Any, cw: Any, lse: Any, stats: Any, spec: Spec, tc: int,
-    accumulate: str = "float32", *, grad_loss: Any, grad_lse: Any = None, need_dx: bool = True,
-    need_dw: bool = True, need_db: bool = True,
+    accumulate: str = "float32", vocab_block: int = 0, *, grad_loss: Any, grad_lse: Any = None,
+    need_dx: bool = True, need_dw: bool = True, need_db: bool = True,
 ) -> tuple[Any, Any, Any]:
     """The recomputing backward: (dx, dW, db) of (loss, lse) for the upstream gradients
     `grad_loss` ((T,) for 'none', 0-d otherwise) and `grad_lse` ((T,) or None), from the saved
     lse and stats. Arrays as forward_gpu's; None for a gradient not needed (db without a bias)."""
-    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate)
+    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block)
     x, w, target, bias, cw = _prepare_inputs(x, w, target, bias, cw, plan.acc)
     stream = current_stream(plan.steps.device, hasattr(x, "data_ptr"))
     if hasattr(x, "data_ptr"):
@@ -1007,7 +1096,8 @@ def run_backward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: An
     none = plan.spec.reduction == "none"
     dx = _empty((T, H), plan.dtype, x) if need_dx else None
     separate = plan.accumulate == "float32" and plan.narrow  # a float32 dW, rounded once at the end
-    dw = _empty((V, H), plan.dtype, x, zero=T == 0) if need_dw else None
+    blocks = plan.recompute and T > 0  # dW from the second pass (allocated after the first)
+    dw = _empty((V, H), plan.dtype, x, zero=T == 0) if need_dw and not blocks else None
     dw_acc = _empty((V, H), acc, x, zero=T == 0) if need_dw and separate else dw
     db_acc = _empty((V,), acc, x, zero=T == 0) if need_db else None
     if T:
@@ -1026,10 +1116,15 @@ def run_backward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: An
             g = gview[:n, :V]
             if need_dx and H:
                 _matmul.gemm(g, w, dx[r0:r0 + n])
-            if need_dw and H:
+            if need_dw and H and not blocks:
                 _matmul.gemm(g.T, x[r0:r0 + n], dw_acc, beta=0.0 if i == 0 else 1.0)
             if need_db:
                 steps.colsum(g, ldg, partial, db_acc, n, i == 0, stream)
+        if need_dw and blocks:
+            del ws, gview, partial
+            dw = _empty((V, H), plan.dtype, x)
+            _dw_by_vocab_blocks(plan, steps, stream, x, w, target, bias, cw, stats, row_grad, grad0, grad_lse, lse,
+                                dw)
     if need_dw and separate:
         steps.scale_cast(dw_acc, dw, None, None, 1.0, stream)
     db = None

@@ -62,13 +62,14 @@ def _lce_impl(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     reduction: str, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, return_lse: bool,
     chunk_size: int, accumulate: str, allow_retain_graph: bool, compute_dx: bool, compute_dw: bool, compute_db: bool,
+    vocab_block: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dx_buf, dw_buf, db_buf, stats) for input (T, H), target (T,): see the module
     docstring. The buffers are empty (shape (0,)) where nothing was computed."""
     spec = _op.Spec(reduction, ignore_index, label_smoothing, z_loss, softcap, return_lse)
     if input.is_cuda:
         out = _op.forward_gpu(input, linear_weight, target, linear_bias, weight, spec, chunk_size, accumulate,
-                              need_dx=compute_dx, need_dw=compute_dw, need_db=compute_db)
+                              vocab_block, need_dx=compute_dx, need_dw=compute_dw, need_db=compute_db)
         # absent buffers: distinct empty tensors (a custom op's outputs must not alias each other)
         return tuple(input.new_empty(0) if t is None else t for t in out)  # type: ignore[return-value]
     _op.validate(input, linear_weight, target, linear_bias, weight)
@@ -99,6 +100,7 @@ def _lce_fake(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     reduction: str, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, return_lse: bool,
     chunk_size: int, accumulate: str, allow_retain_graph: bool, compute_dx: bool, compute_dw: bool, compute_db: bool,
+    vocab_block: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _op.validate(input, linear_weight, target, linear_bias, weight)
     acc = _acc(input.dtype)
@@ -117,6 +119,7 @@ def _lce_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: 
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient (not a tensor of zeros)
     ctx.spec = _op.Spec(reduction, ignore_index, ls, zl, cap, return_lse)
     ctx.chunk, ctx.accumulate, ctx.retain = chunk, accumulate, retain
+    ctx.vocab_block = inputs[17] if len(inputs) > 17 else 0
     # The forward's gradients, held as attributes (detached: as outputs they would link back to
     # this node) so the backward can release them early; None where absent.
     ctx.bufs = [_none(t.detach()) for t in (dx_buf, dw_buf, db_buf)]
@@ -130,7 +133,7 @@ def _lce_bwd(ctx: torch.autograd.function.FunctionCtx, g_loss: Tensor | None, g_
     if not spec.return_lse:
         g_lse = None  # lse was not handed to the user: a gradient for it is zeros at most
     nx, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
-    nothing = (None,) * 17
+    nothing = (None,) * 18
     if (g_loss is None and g_lse is None) or not (nx or nw or nb):
         return nothing
     g = g_loss if g_loss is not None else g_lse
@@ -149,7 +152,7 @@ def _lce_bwd(ctx: torch.autograd.function.FunctionCtx, g_loss: Tensor | None, g_
         dx, dw, db = _finish(ctx, x, w, b, stats, g_loss, direct)  # type: ignore[arg-type]
     else:
         dx, dw, db = _recompute(ctx, x, w, target, b, cw, lse, stats, g_loss, g_lse, (nx, nw, nb), direct)
-    out = [None] * 17
+    out = [None] * 18
     out[0], out[1], out[3] = (dx if nx else None), (dw if nw else None), (db if nb else None)
     return tuple(out)
 
@@ -158,8 +161,9 @@ def _finish(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, b: T
             g_loss: Tensor, direct: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The forward's gradients times stats[1] * g_loss (and dW's 1 / alpha), rounded once to the
     parameters' dtypes; released afterwards (scaled in place where the dtype allows) unless
-    allow_retain_graph or a traced backward."""
+    allow_retain_graph or a traced backward. "recompute" has applied stats[1] already."""
     T = x.shape[0]
+    scale = None if ctx.accumulate == "recompute" else stats[1:2]
     dw_factor = float(T) if ctx.accumulate == "input" and x.dtype == torch.float16 and T else 1.0
     targets = (x.dtype, w.dtype, None if b is None else b.dtype)
     factors = (1.0, dw_factor, 1.0)
@@ -172,11 +176,12 @@ def _finish(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, b: T
         if not keep:
             ctx.bufs[i] = None  # this backward holds the only reference: freed once rounded
         if direct:
-            outs[i] = _op.scale_cast_gpu(buf, str(targets[i]).removeprefix("torch."), stats[1:2], g_loss,
+            outs[i] = _op.scale_cast_gpu(buf, str(targets[i]).removeprefix("torch."), scale, g_loss,
                                          factors[i], inplace=not ctx.retain)
         else:  # compile / functorch: torch ops (inductor fuses them into one pass)
             acc = _acc(x.dtype)
-            outs[i] = (buf.to(acc) * (stats[1] * g_loss.to(acc) * factors[i])).to(targets[i])
+            s = g_loss.to(acc) * factors[i] if scale is None else scale[0] * g_loss.to(acc) * factors[i]
+            outs[i] = (buf.to(acc) * s).to(targets[i])
         del buf
     return outs[0], outs[1], outs[2]
 
@@ -189,8 +194,9 @@ def _recompute(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, t
         g_loss = lse.new_zeros(lse.shape if spec.reduction == "none" else ())
     need_db = needs[2] and b is not None
     if direct:
-        return _op.backward_gpu(x, w, target, b, cw, lse, stats, spec, ctx.chunk, ctx.accumulate, grad_loss=g_loss,
-                                grad_lse=g_lse, need_dx=needs[0], need_dw=needs[1], need_db=need_db)
+        return _op.backward_gpu(x, w, target, b, cw, lse, stats, spec, ctx.chunk, ctx.accumulate, ctx.vocab_block,
+                                grad_loss=g_loss, grad_lse=g_lse, need_dx=needs[0], need_dw=needs[1],
+                                need_db=need_db)
     if not x.is_cuda:  # torch ops: eager, or traced by torch.compile
         return _op.reference_grad_torch(
             x, w, target, b, cw, reduction=spec.reduction, ignore_index=spec.ignore_index,
@@ -198,7 +204,7 @@ def _recompute(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, t
             grad_lse=g_lse, lse=lse, stats=stats)
     dx, dw, db = LCE_BACKWARD(x, w, target, b, cw, lse, stats, g_loss, g_lse, spec.reduction, spec.ignore_index,
                               spec.label_smoothing, spec.z_loss, spec.softcap, ctx.chunk, ctx.accumulate,
-                              needs[0], needs[1], need_db)
+                              needs[0], needs[1], need_db, ctx.vocab_block)
     return _none(dx), _none(dw), _none(db)
 
 
@@ -222,14 +228,14 @@ def _bwd_impl(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     lse: Tensor, stats: Tensor, grad_loss: Tensor, grad_lse: Tensor | None, reduction: str, ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: float, chunk_size: int, accumulate: str, compute_dx: bool,
-    compute_dw: bool, compute_db: bool,
+    compute_dw: bool, compute_db: bool, vocab_block: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dW, db) of linear_cross_entropy for per-token (or 0-d) upstream gradients; empty
     tensors for gradients not computed."""
     if input.is_cuda:
         spec = _op.Spec(reduction, ignore_index, label_smoothing, z_loss, softcap, grad_lse is not None)
         out = _op.backward_gpu(input, linear_weight, target, linear_bias, weight, lse, stats, spec, chunk_size,
-                               accumulate, grad_loss=grad_loss, grad_lse=grad_lse, need_dx=compute_dx,
+                               accumulate, vocab_block, grad_loss=grad_loss, grad_lse=grad_lse, need_dx=compute_dx,
                                need_dw=compute_dw, need_db=compute_db)
     else:
         out = _op.reference_grad_torch(
@@ -245,7 +251,7 @@ def _bwd_fake(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     lse: Tensor, stats: Tensor, grad_loss: Tensor, grad_lse: Tensor | None, reduction: str, ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: float, chunk_size: int, accumulate: str, compute_dx: bool,
-    compute_dw: bool, compute_db: bool,
+    compute_dw: bool, compute_db: bool, vocab_block: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     T, H = input.shape
     V = linear_weight.shape[0]
@@ -297,13 +303,14 @@ def linear_cross_entropy(
         loss, lse = _op.reference_torch(input, linear_weight, target, linear_bias, weight, spec.reduction,
                                         spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap)
         return (loss, lse) if return_lse else loss
-    chunk = opts.chunk_rows(T, V, H, str(input.dtype).removeprefix("torch."))
+    dtype = str(input.dtype).removeprefix("torch.")
+    chunk, vocab_block = opts.chunk_rows(T, V, H, dtype), opts.vocab_block(T, V, dtype)
     grad = torch.is_grad_enabled()
     flags = (grad and input.requires_grad, grad and linear_weight.requires_grad,
              grad and linear_bias is not None and linear_bias.requires_grad)
     args = (input.reshape(T, H), linear_weight, target.reshape(T), linear_bias, weight, spec.reduction,
             spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap, spec.return_lse, chunk,
-            opts.grad_accumulation, opts.allow_retain_graph, *flags)
+            opts.grad_accumulation, opts.allow_retain_graph, *flags, vocab_block)
     if path == DISPATCH:
         out = LCE(*args)
     else:
