@@ -165,6 +165,7 @@ class Config:
     compile_mode: str | None = None
     compile_policy: str = "inductor"  # cukit.torch.set_compile_policy for the cukit side
     patch_linear: bool = False  # cukit.nn.patch(linear=True, conv1d=True): every linear layer cukit's
+    loss_accumulation: str | None = None  # the patched HF models' LinearCrossEntropyOptions.grad_accumulation
     dry_run: bool = False
     seed: int = 0
     out: str | None = None
@@ -205,6 +206,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--patch-linear", action="store_true",
                    help="cukit side: cukit.nn.patch(linear=True, conv1d=True), every linear layer cukit's "
                         "(default: only those with an activation to fuse)")
+    p.add_argument("--loss-accumulation", default=None, choices=("float32", "input", "recompute"),
+                   help="cukit side: grad_accumulation of the patched LM loss (model.cukit_loss_options; "
+                        "default: cukit's default, float32)")
     p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     p.add_argument("--seed", type=int, default=0)
@@ -213,6 +217,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear,
+                 loss_accumulation=args.loss_accumulation,
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
     if args.dry_run:
@@ -237,6 +242,8 @@ def results_name(cfg: Config) -> str:
         parts.append(f"policy-{cfg.compile_policy}")
     if cfg.patch_linear:
         parts.append("patch-linear")
+    if cfg.loss_accumulation:
+        parts.append(f"loss-{cfg.loss_accumulation}")
     return "-".join(parts)
 
 
@@ -382,7 +389,15 @@ def _seeded_on_device(cfg: Config, build: Callable[[], Any]) -> Any:
 
 
 def _patched_copy(base: Any, cfg: Config) -> Callable[[], Any]:
-    return lambda: cukit_patch(copy.deepcopy(base), cfg.patch_linear)
+    def build() -> Any:
+        model = cukit_patch(copy.deepcopy(base), cfg.patch_linear)
+        if cfg.loss_accumulation:
+            import cukit
+
+            model.cukit_loss_options = cukit.LinearCrossEntropyOptions(grad_accumulation=cfg.loss_accumulation)
+        return model
+
+    return build
 
 
 def build_llama(cfg: Config) -> Workload:
@@ -905,6 +920,7 @@ def run(cfg: Config) -> Bench:
         b.meta["transformers"] = transformers.__version__
     b.meta["compile_policy"] = cfg.compile_policy
     b.meta["patch_linear"] = cfg.patch_linear
+    b.meta["loss_accumulation"] = cfg.loss_accumulation
     if any(s.startswith("compile") for s in cfg.settings):
         harness.configure_dynamo()
     env = harness.environment()

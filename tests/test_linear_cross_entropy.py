@@ -25,6 +25,7 @@ from cukit.testing import assert_close, to_numpy
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
+pytest.importorskip("cukit.torch")  # registers torch.ops.cukit.linear_cross_entropy*, which tests call
 
 REDUCTIONS = ["mean", "sum", "none"]
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -737,6 +738,17 @@ def test_patch_lm_head_loss_matches_stock(cls_name, num_items):
     c = patched(input_ids=ids)
     assert_close(c.logits, stock(input_ids=ids).logits, atol=1e-6, rtol=1e-5)
     assert patched.state_dict().keys() == stock.state_dict().keys()
+
+
+def test_patch_lm_head_loss_takes_the_models_options():
+    patched = cukit.nn.patch(tiny_llama())
+    ids = torch.randint(0, 61, (2, 9))
+    ref = patched(input_ids=ids, labels=ids).loss
+    patched.cukit_loss_options = cukit.LinearCrossEntropyOptions(grad_accumulation="recompute")
+    assert_close(patched(input_ids=ids, labels=ids).loss, ref)  # the CPU reference ignores the options
+    patched.cukit_loss_options = "recompute"  # handed to cukit.linear_cross_entropy, which checks them
+    with pytest.raises(TypeError, match=r"options must be None, a cukit\.LinearCrossEntropyOptions"):
+        patched(input_ids=ids, labels=ids)
 
 
 def test_patch_lm_head_loss_call_forms():

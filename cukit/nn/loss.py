@@ -122,14 +122,15 @@ def causal_lm_loss(
     num_items_in_batch: Any = None,
     ignore_index: int = -100,
     softcap: float | None = None,
+    options: Any = None,
     **unused: Any,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``lm_head(hidden)`` without the logits: position t
     predicts ``labels[..., t + 1]`` (the last position nothing) unless `shift_labels` is given;
     the mean over non-ignored tokens, or with `num_items_in_batch` their sum divided by it (as
     gradient accumulation over micro-batches wants). The loss is float32, like transformers'
-    (which upcasts the logits). Extra keyword arguments (the model's other kwargs) are ignored,
-    as there."""
+    (which upcasts the logits). `options`: ``cukit.linear_cross_entropy``'s (chunking, gradient
+    accumulation). Extra keyword arguments (the model's other kwargs) are ignored, as there."""
     if shift_labels is None:
         if labels is None:
             raise ValueError("cukit.nn.causal_lm_loss: labels or shift_labels must be given")
@@ -144,7 +145,7 @@ def causal_lm_loss(
         )
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(h, lm_head.weight, y, linear_bias=lm_head.bias, ignore_index=ignore_index,
-                                reduction=reduction, softcap=softcap)
+                                reduction=reduction, softcap=softcap, options=options)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -214,7 +215,8 @@ def _patched_class(cls: type, softcap: bool) -> type:
         if stash.hidden is None:
             raise RuntimeError(f"cukit.nn.patch (lm_head_loss): {cls.__name__}.forward did not call lm_head")
         cap = getattr(self.config, "final_logit_softcapping", None) if softcap else None
-        loss = causal_lm_loss(stash.hidden, head, labels, softcap=cap, **kwargs)
+        loss = causal_lm_loss(stash.hidden, head, labels, softcap=cap,
+                              options=getattr(self, "cukit_loss_options", None), **kwargs)
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         result = type(out)(loss=loss, **fields)  # logits=None: the point is never to make them
         return result if return_dict else result.to_tuple()
@@ -251,4 +253,5 @@ def _lm_head_loss(name: str, m: nn.Module, ctx: PatchContext) -> list[Change]:
         return [Change(name, what + f"lm_head's loss not fused: {reason}", skipped=True)]
     m.__class__ = _patched_class(cls, softcap)
     cap = " (final_logit_softcapping as softcap)" if softcap else ""
-    return [Change(name, what + f"labels -> cukit.linear_cross_entropy over lm_head{cap}; logits=None then")]
+    return [Change(name, what + f"labels -> cukit.linear_cross_entropy over lm_head{cap}; logits=None then "
+                         "(model.cukit_loss_options: its options)")]
