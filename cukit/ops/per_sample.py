@@ -1,0 +1,631 @@
+"""Per-sample gradients and ghost norms: the array-level pieces of ``cukit.per_sample_grads``,
+``cukit.per_sample_grad_norms`` and ``cukit.dp``.
+
+Rows (dimension 0) are samples. Every function takes torch tensors: CUDA tensors run the kernels of
+``raw_kernels/per_sample.cu`` and cukit's matmul (the GEMMs), CPU tensors run the torch references
+beside them (``reference_*``: float64-capable, the test oracles and the CPU path). Per-sample
+gradients are a torch feature (they need a model), so there is no NumPy/CuPy face.
+
+The maths, per sample i, for a Linear layer ``y = x W^T + b`` with activations A_i (T, d_in) and
+output grads G_i (T, d_out) (T = 1 for 2-D inputs; per-sample grad = sum over T):
+
+- per-sample grads:  dW_i = G_i^T A_i,  db_i = sum_t G_i[t]
+- ghost norms:       ||dW_i||_F^2 = <A_i A_i^T, G_i G_i^T>_F (Gram route, T^2 per sample) or
+                     ||a_i||^2 ||g_i||^2 when T = 1; ||db_i||^2 = ||sum_t G_i[t]||^2
+- clipped sum:       sum_i f_i dW_i = (f ⊙ G)^T A: one GEMM after scaling G's rows (Book-Keeping)
+
+torch registration: none (these ops are called from ``cukit/per_sample.py`` inside an autograd
+backward pass; nothing differentiates through them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from cukit._device import sm_count
+from cukit._runtime import KernelModule, PlanCache
+from cukit.interop import DTYPES, current_stream
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "KERNELS",
+    "clip_factors",
+    "embedding_grads",
+    "embedding_sq_norms",
+    "linear_grads",
+    "linear_sq_norms",
+    "reference_clip_factors",
+    "reference_embedding_grads",
+    "reference_embedding_sq_norms",
+    "reference_linear_grads",
+    "reference_linear_sq_norms",
+    "reference_row_sq_norms",
+    "reference_sum_over_t",
+    "reference_weighted_sum",
+    "row_sq_norms",
+    "scale_rows",
+    "sum_over_t",
+    "use_gram",
+    "weighted_sum",
+]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+CLIP_EPS = 1e-6  # clip factor min(1, C / (norm + CLIP_EPS)), as Opacus and Abadi et al.
+
+
+def _instantiations() -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in FLOAT_DTYPES:
+        dt = DTYPES[name]
+        t = dt.ctype
+        a = "double" if name == "float64" else "float"
+        outs = [t] if t == a else [t, a]
+        exprs: list[str] = []
+        for v in sorted({16 // dt.itemsize, 1}, reverse=True):  # the 16-byte vector path and the scalar path
+            exprs += [f"row_sumsq_partial<{t}, {two}, {v}>" for two in ("false", "true")]
+            exprs += [f"sum_t<{t}, {o}, {prod}, {v}>" for o in outs for prod in ("false", "true")]
+            exprs.append(f"scale_rows<{t}, {v}>")
+            exprs.append(f"weighted_sum_partial<{t}, {v}>")
+        exprs += [f"weighted_sum_reduce<{a}, {o}>" for o in outs if o != a]
+        groups[name] = exprs
+    # the accumulation types' kernels, used by every dtype: a shared group (compiled with the file)
+    groups["reduce"] = [f"{k}<{a}>" for a in ("float", "double") for k in ("row_sum_reduce", "clip_factors")]
+    groups["reduce"] += [f"weighted_sum_reduce<{a}, {a}>" for a in ("float", "double")]
+    return groups
+
+
+KERNELS = KernelModule(
+    "per_sample.cu",
+    instantiations=_instantiations(),
+    signatures={
+        "row_sumsq_partial": "ptr ptr ptr i64 i64 i64 i64",
+        "row_sum_reduce": "ptr ptr i64 i64",
+        "sum_t": "ptr ptr ptr i64 i64 i64",
+        "clip_factors": "ptr ptr ptr f64 i64",
+        "scale_rows": "ptr ptr ptr i64 i64",
+        "weighted_sum_partial": "ptr ptr ptr i64 i64 i64",
+        "weighted_sum_reduce": "ptr ptr i32 i64 i64",
+    },
+)
+
+_BLOCK = 256
+_ROW_UNROLL = 4  # vectors per thread per trip in row_sumsq_partial (U in per_sample.cu)
+_BLOCKS_PER_SM = 8
+_GRID_Y_MAX = 65535
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (first call of a signature only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(fn: str, name: str, x: Any, *, min_ndim: int = 1, ndim: int | None = None) -> str:
+    """x must be a floating torch tensor of a kernel dtype; returns its dtype name."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"cukit.ops.per_sample.{fn}: {name} must be a torch.Tensor; got {type(x).__qualname__}")
+    dname = str(x.dtype).removeprefix("torch.")
+    if dname not in FLOAT_DTYPES:
+        raise TypeError(
+            f"cukit.ops.per_sample.{fn}: {name} must have dtype float16, bfloat16, float32 or float64; got {dname}"
+        )
+    if (ndim is not None and x.ndim != ndim) or x.ndim < min_ndim:
+        want = f"{ndim}-D" if ndim is not None else f"at least {min_ndim}-D"
+        raise ValueError(f"cukit.ops.per_sample.{fn}: {name} must be {want}; got shape {tuple(x.shape)}")
+    return dname
+
+
+def _check_like(fn: str, name: str, y: Any, x: Any, *, shape: bool = True) -> None:
+    _check(fn, name, y)
+    if y.dtype != x.dtype:
+        raise TypeError(f"cukit.ops.per_sample.{fn}: {name} must have dtype {x.dtype}; got {y.dtype}")
+    if shape and y.shape != x.shape:
+        raise ValueError(f"cukit.ops.per_sample.{fn}: {name} must have shape {tuple(x.shape)}; got {tuple(y.shape)}")
+    if y.device != x.device:
+        raise ValueError(f"cukit.ops.per_sample.{fn}: {name} must be on {x.device}; got {y.device}")
+
+
+def _acc(t: Any) -> Any:
+    import torch
+
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _vec(itemsize: int, n: int, *tensors: Any) -> int:
+    v = 16 // itemsize
+    if n % v == 0 and all(t is None or t.data_ptr() % 16 == 0 for t in tensors):
+        return v
+    return 1
+
+
+def _key(tag: str, *tensors: Any, extra: Any = None) -> tuple:
+    """A call's signature: shape, dtype, device and 16-byte alignment of each tensor (None kept)."""
+    return (tag, extra, *((None if t is None else (t.shape, t.dtype, t.device, t.data_ptr() & 15)) for t in tensors))
+
+
+def _ctype(t: Any) -> str:
+    return DTYPES[str(t.dtype).removeprefix("torch.")].ctype
+
+
+def _acc_ctype(t: Any) -> str:
+    import torch
+
+    return "double" if t.dtype == torch.float64 else "float"
+
+
+# ---------------------------------------------------------------------------------------------
+# row_sq_norms: s[i] = sum_j x[i, j]^2 (or x[i, j] y[i, j])
+# ---------------------------------------------------------------------------------------------
+
+_ROW_PLANS = PlanCache("per_sample_rows", maxsize=1024)
+
+
+class _RowPlan:
+    __slots__ = ("main", "reduce", "splits")
+
+    def __init__(self, main: Any, reduce: Any, splits: int) -> None:
+        self.main, self.reduce, self.splits = main, reduce, splits
+
+
+def row_sq_norms(x: Any, y: Any = None) -> Any:
+    """Per-row sums of squares ``s[i] = sum_j x[i, j]^2`` over every dimension but the first, or
+    per-row dot products ``sum_j x[i, j] y[i, j]`` when y is given (Gram-route ghost norms).
+
+    x, y: torch tensors of one shape (B, ...) and dtype (float16, bfloat16, float32, float64), any
+    strides (made contiguous). Returns (B,) in float32 (float64 for float64 x). On CUDA: one launch
+    (two when a row is split over blocks; fixed-order two-pass sum, bitwise reproducible), no sync.
+
+    See also: ``x.flatten(1).square().sum(1)``, ``torch.linalg.vector_norm(x.flatten(1), dim=1) ** 2``.
+    """
+    if not x.is_cuda:
+        _check("row_sq_norms", "x", x)
+        if y is not None:
+            _check_like("row_sq_norms", "y", y, x)
+        return reference_row_sq_norms(x, y)
+    x = x.contiguous()
+    y = None if y is None else y.contiguous()
+    key = _key("rows", x, y)
+    plan = _ROW_PLANS.get(key)
+    if plan is None:
+        return _row_first(x, y, key)
+    B = x.shape[0]
+    out = x.new_empty((B,), dtype=_acc(x))
+    if plan.main is None:
+        return out.zero_()
+    stream = current_stream(x.get_device(), True)
+    py = 0 if y is None else y.data_ptr()
+    if plan.reduce is None:
+        plan.main((x.data_ptr(), py, out.data_ptr()), stream)
+        return out
+    partial = x.new_empty((B, plan.splits), dtype=_acc(x))
+    plan.main((x.data_ptr(), py, partial.data_ptr()), stream)
+    plan.reduce((partial.data_ptr(), out.data_ptr()), stream)
+    return out
+
+
+def _row_first(x: Any, y: Any, key: tuple) -> Any:
+    _check("row_sq_norms", "x", x)
+    if y is not None:
+        _check_like("row_sq_norms", "y", y, x)
+    B = x.shape[0]
+    n = math.prod(x.shape[1:])
+    out = x.new_empty((B,), dtype=_acc(x))
+    if B == 0 or n == 0:
+        _ROW_PLANS.put(key, _RowPlan(None, None, 0))
+        return out.zero_()
+    device = x.get_device()
+    vec = _vec(x.element_size(), n, x, y)
+    per_block = _BLOCK * vec * _ROW_UNROLL
+    splits = max(1, min(-(-sm_count(device) * _BLOCKS_PER_SM // B), -(-n // per_block)))
+    per_split = -(-n // splits)
+    chunk = -(-per_split // vec) * vec  # a whole number of vectors, so rows stay aligned
+    splits = -(-n // chunk)
+    two = "true" if y is not None else "false"
+    main = KERNELS.prepare(
+        f"row_sumsq_partial<{_ctype(x)}, {two}, {vec}>", (splits, min(B, _GRID_Y_MAX)), (_BLOCK,),
+        (B, n, chunk, splits), device=device,
+    )
+    reduce = None
+    if splits > 1:
+        reduce = KERNELS.prepare(
+            f"row_sum_reduce<{_acc_ctype(x)}>", (-(-B // _BLOCK),), (_BLOCK,), (B, splits), device=device
+        )
+    plan = _ROW_PLANS.put(key, _RowPlan(main, reduce, splits))
+    stream = current_stream(device, True)
+    py = 0 if y is None else y.data_ptr()
+    if reduce is None:
+        main((x.data_ptr(), py, out.data_ptr()), stream)
+        return out
+    partial = x.new_empty((B, plan.splits), dtype=_acc(x))
+    main((x.data_ptr(), py, partial.data_ptr()), stream)
+    reduce((partial.data_ptr(), out.data_ptr()), stream)
+    return out
+
+
+def reference_row_sq_norms(x: Any, y: Any = None) -> Any:
+    """torch row_sq_norms in the accumulation type (float32; float64 for float64)."""
+    acc = _acc(x)
+    rows = (x.shape[0], math.prod(x.shape[1:]))  # not -1: B may be 0
+    xf = x.reshape(rows).to(acc)
+    if y is None:
+        return (xf * xf).sum(1)
+    return (xf * y.reshape(rows).to(acc)).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# sum_over_t: out[i, c] = sum_t g[i, t, c] (* x[i, t, c])
+# ---------------------------------------------------------------------------------------------
+
+_SUM_PLANS = PlanCache("per_sample_sum_t", maxsize=1024)
+
+
+def sum_over_t(g: Any, x: Any = None, *, out_dtype: Any = None) -> Any:
+    """Per-sample sums over the middle dimension: ``out[i, c] = sum_t g[i, t, c]``, or
+    ``sum_t g[i, t, c] x[i, t, c]`` when x is given (per-sample bias grads; per-sample norm-weight
+    grads with x the normalised input x̂).
+
+    g, x: (B, T, d) torch tensors of one dtype (float16, bfloat16, float32, float64), any strides
+    (made contiguous). out_dtype: g's dtype (default) or its accumulation type (float32; float64).
+    Returns (B, d). On CUDA: one launch, t summed in a fixed order (bitwise reproducible), no sync.
+
+    See also: ``g.sum(1)``, ``(g * x).sum(1)``.
+    """
+    if out_dtype is None:
+        out_dtype = g.dtype
+    if not g.is_cuda:
+        _check("sum_over_t", "g", g, ndim=3)
+        if x is not None:
+            _check_like("sum_over_t", "x", x, g)
+        return reference_sum_over_t(g, x, out_dtype=out_dtype)
+    g = g.contiguous()
+    x = None if x is None else x.contiguous()
+    key = _key("sum_t", g, x, extra=out_dtype)
+    plan = _SUM_PLANS.get(key)
+    if plan is None:
+        return _sum_first(g, x, out_dtype, key)
+    out = g.new_empty((g.shape[0], g.shape[2]), dtype=out_dtype)
+    if plan is _EMPTY:
+        return out.zero_()
+    plan((g.data_ptr(), 0 if x is None else x.data_ptr(), out.data_ptr()), current_stream(g.get_device(), True))
+    return out
+
+
+_EMPTY: Any = object()  # the plan of a call with nothing to launch (a zero fill)
+
+
+def _sum_first(g: Any, x: Any, out_dtype: Any, key: tuple) -> Any:
+    _check("sum_over_t", "g", g, ndim=3)
+    if x is not None:
+        _check_like("sum_over_t", "x", x, g)
+    if out_dtype not in (g.dtype, _acc(g)):
+        raise TypeError(f"cukit.ops.per_sample.sum_over_t: out_dtype must be {g.dtype} or {_acc(g)}; got {out_dtype}")
+    B, T, d = (int(s) for s in g.shape)
+    out = g.new_empty((B, d), dtype=out_dtype)
+    if B == 0 or d == 0 or T == 0:
+        _SUM_PLANS.put(key, _EMPTY)
+        return out.zero_()
+    device = g.get_device()
+    vec = _vec(g.element_size(), d, g, x)
+    cv = d // vec
+    bx = min(32, 1 << (cv - 1).bit_length())
+    by = min(_BLOCK // bx, 1 << (T - 1).bit_length())  # no idle rows of threads for short T
+    o = _ctype(g) if out_dtype == g.dtype else _acc_ctype(g)
+    acc_size = 8 if _acc_ctype(g) == "double" else 4
+    run = KERNELS.prepare(
+        f"sum_t<{_ctype(g)}, {o}, {'true' if x is not None else 'false'}, {vec}>",
+        (-(-cv // bx), min(B, _GRID_Y_MAX)), (bx, by), (B, T, d), device=device, shared_mem=bx * by * vec * acc_size,
+    )
+    _SUM_PLANS.put(key, run)
+    run((g.data_ptr(), 0 if x is None else x.data_ptr(), out.data_ptr()), current_stream(device, True))
+    return out
+
+
+def reference_sum_over_t(g: Any, x: Any = None, *, out_dtype: Any = None) -> Any:
+    """torch sum_over_t, accumulated in float32 (float64 for float64) and cast once."""
+    acc = _acc(g)
+    s = g.to(acc) if x is None else g.to(acc) * x.to(acc)
+    return s.sum(1).to(g.dtype if out_dtype is None else out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# clip_factors, scale_rows, weighted_sum: the clipping arithmetic
+# ---------------------------------------------------------------------------------------------
+
+_SMALL_PLANS = PlanCache("per_sample_small", maxsize=1024)
+
+
+def clip_factors(sq_norms: Any, max_norm: float) -> tuple[Any, Any]:
+    """``norms = sqrt(sq_norms)``, ``factors = min(1, max_norm / (norms + 1e-6))``.
+
+    sq_norms: (B,) float32 or float64 torch tensor (from :func:`row_sq_norms`). max_norm: a
+    positive Python number (the clipping bound C). Returns (norms, factors) of sq_norms' dtype.
+    On CUDA one launch, no sync; a NaN norm gives a NaN factor (never a silent drop).
+
+    See also: Opacus' ``torch.clamp(max_norm / (norms + 1e-6), max=1.0)``.
+    """
+    if not sq_norms.is_cuda:
+        return reference_clip_factors(sq_norms, max_norm)
+    key = ("clip", sq_norms.shape, sq_norms.dtype, sq_norms.device)
+    run = _SMALL_PLANS.get(key)
+    if run is None:
+        run = _clip_first(sq_norms, key)
+    norms = sq_norms.new_empty(sq_norms.shape)
+    factors = sq_norms.new_empty(sq_norms.shape)
+    if run is not _EMPTY:
+        run((sq_norms.data_ptr(), norms.data_ptr(), factors.data_ptr(), np.float64(max_norm)),
+            current_stream(sq_norms.get_device(), True))
+    return norms, factors
+
+
+def _clip_first(sq: Any, key: tuple) -> Any:
+    import torch
+
+    if sq.dtype not in (torch.float32, torch.float64) or sq.ndim != 1 or not sq.is_contiguous():
+        raise TypeError(
+            "cukit.ops.per_sample.clip_factors: sq_norms must be a contiguous 1-D float32 or float64 tensor; got "
+            f"{sq.dtype} of shape {tuple(sq.shape)}"
+        )
+    B = sq.shape[0]
+    run = _EMPTY
+    if B:
+        ct = "double" if sq.dtype == torch.float64 else "float"
+        run = KERNELS.prepare(f"clip_factors<{ct}>", (-(-B // _BLOCK),), (_BLOCK,), (B,), device=sq.get_device(),
+                              n_head=4)
+    return _SMALL_PLANS.put(key, run)
+
+
+def reference_clip_factors(sq_norms: Any, max_norm: float) -> tuple[Any, Any]:
+    """torch clip_factors: (sqrt(sq), min(1, C / (sqrt(sq) + 1e-6))), NaN kept."""
+    import torch
+
+    norms = sq_norms.clamp_min(0).sqrt()
+    f = max_norm / (norms + CLIP_EPS)
+    return norms, torch.where(torch.isnan(f), f, f.clamp(max=1.0))
+
+
+def scale_rows(x: Any, factors: Any) -> Any:
+    """``y[i, ...] = x[i, ...] * factors[i]`` in x's dtype (the factor applied in float32).
+
+    x: (B, ...) torch tensor (float16, bfloat16, float32, float64), made contiguous; factors: (B,)
+    in x's accumulation type. One launch on CUDA. See also: ``x * factors.view(-1, 1, ...)``.
+    """
+    if not x.is_cuda:
+        return (x.to(factors.dtype) * factors.view(-1, *([1] * (x.ndim - 1)))).to(x.dtype)
+    x = x.contiguous()
+    key = _key("scale", x, factors)
+    run = _SMALL_PLANS.get(key)
+    if run is None:
+        run = _scale_first(x, factors, key)
+    y = x.new_empty(x.shape)
+    if run is not _EMPTY:
+        run((x.data_ptr(), factors.data_ptr(), y.data_ptr()), current_stream(x.get_device(), True))
+    return y
+
+
+def _scale_first(x: Any, factors: Any, key: tuple) -> Any:
+    _check("scale_rows", "x", x)
+    if factors.dtype != _acc(x) or tuple(factors.shape) != (x.shape[0],) or not factors.is_contiguous():
+        raise TypeError(
+            f"cukit.ops.per_sample.scale_rows: factors must be a contiguous ({x.shape[0]},) tensor of dtype "
+            f"{_acc(x)}; got {factors.dtype} of shape {tuple(factors.shape)}"
+        )
+    B = x.shape[0]
+    n = math.prod(x.shape[1:])
+    if B == 0 or n == 0:
+        return _SMALL_PLANS.put(key, _EMPTY)
+    device = x.get_device()
+    vec = _vec(x.element_size(), n, x)
+    col_blocks = max(1, min(-(-n // (_BLOCK * vec)), 64))
+    row_blocks = max(1, min(B, -(-sm_count(device) * _BLOCKS_PER_SM // col_blocks), _GRID_Y_MAX))
+    run = KERNELS.prepare(f"scale_rows<{_ctype(x)}, {vec}>", (col_blocks, row_blocks), (_BLOCK,), (B, n),
+                          device=device)
+    return _SMALL_PLANS.put(key, run)
+
+
+def weighted_sum(ps: Any, factors: Any, out: Any = None) -> Any:
+    """``out (+)= sum_i factors[i] ps[i]``: the clipped sum of materialised per-sample grads.
+
+    ps: (B, *shape) torch tensor (float16, bfloat16, float32, float64), made contiguous; factors:
+    (B,) in ps' accumulation type; out: None (a new (*shape) tensor of ps' dtype) or a contiguous
+    tensor of that shape, of ps' dtype or its accumulation type, accumulated into (p.grad). On
+    CUDA two launches (rows split over blocks into fp32/fp64 partial sums, then a fixed-order
+    reduction into out: bitwise reproducible), no sync.
+
+    See also: ``torch.einsum("i,i...->...", factors, ps)``.
+    """
+    if not ps.is_cuda:
+        r = reference_weighted_sum(ps, factors)
+        if out is None:
+            return r.to(ps.dtype)
+        return out.add_(r.to(out.dtype))
+    ps = ps.contiguous()
+    acc = out is not None
+    if out is None:
+        out = ps.new_empty(ps.shape[1:])
+    key = _key("wsum", ps, factors, out)
+    plan = _SMALL_PLANS.get(key)
+    if plan is None:
+        plan = _wsum_first(ps, factors, out, key)
+    if plan is _EMPTY:
+        return out if acc else out.zero_()
+    main, reduce, splits = plan
+    partial = ps.new_empty((splits, out.numel()), dtype=factors.dtype)
+    stream = current_stream(ps.get_device(), True)
+    main((ps.data_ptr(), factors.data_ptr(), partial.data_ptr()), stream)
+    reduce((partial.data_ptr(), out.data_ptr(), np.int32(acc)), stream)
+    return out
+
+
+def _wsum_first(ps: Any, factors: Any, out: Any, key: tuple) -> Any:
+    _check("weighted_sum", "ps", ps)
+    if factors.dtype != _acc(ps) or tuple(factors.shape) != (ps.shape[0],) or not factors.is_contiguous():
+        raise TypeError(
+            f"cukit.ops.per_sample.weighted_sum: factors must be a contiguous ({ps.shape[0]},) tensor of dtype "
+            f"{_acc(ps)}; got {factors.dtype} of shape {tuple(factors.shape)}"
+        )
+    if out.shape != ps.shape[1:] or out.dtype not in (ps.dtype, _acc(ps)) or not out.is_contiguous():
+        raise ValueError(
+            f"cukit.ops.per_sample.weighted_sum: out must be a contiguous tensor of shape {tuple(ps.shape[1:])} and "
+            f"dtype {ps.dtype} or {_acc(ps)}; got {out.dtype} of shape {tuple(out.shape)}"
+        )
+    B = ps.shape[0]
+    n = math.prod(ps.shape[1:])
+    if n == 0 or B == 0:
+        return _SMALL_PLANS.put(key, _EMPTY)
+    device = ps.get_device()
+    vec = _vec(ps.element_size(), n, ps)
+    cv = n // vec
+    bx = min(32, 1 << (cv - 1).bit_length())
+    by = _BLOCK // bx
+    col_blocks = -(-cv // bx)
+    target = sm_count(device) * (2048 // _BLOCK)  # a full wave of resident blocks
+    splits = max(1, min(-(-target // col_blocks), -(-B // by), _GRID_Y_MAX))
+    rows_per_split = -(-B // splits)
+    splits = -(-B // rows_per_split)
+    a = _acc_ctype(ps)
+    o = _ctype(ps) if out.dtype == ps.dtype else a
+    acc_size = 8 if a == "double" else 4
+    main = KERNELS.prepare(f"weighted_sum_partial<{_ctype(ps)}, {vec}>", (col_blocks, splits), (bx, by),
+                           (B, n, rows_per_split), device=device, shared_mem=bx * by * vec * acc_size)
+    reduce = KERNELS.prepare(f"weighted_sum_reduce<{a}, {o}>", (max(1, min(-(-n // _BLOCK), target)),), (_BLOCK,),
+                             (splits, n), device=device, n_head=3)
+    return _SMALL_PLANS.put(key, (main, reduce, splits))
+
+
+def reference_weighted_sum(ps: Any, factors: Any) -> Any:
+    """torch weighted_sum in the accumulation type (rows in order)."""
+    acc = factors.dtype
+    return (ps.to(acc) * factors.view(-1, *([1] * (ps.ndim - 1)))).sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear: per-sample grads and ghost norms
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_3d(t: Any) -> Any:
+    """(B, d) -> (B, 1, d); (B, ..., d) -> (B, T, d) with the middle dimensions merged."""
+    if t.ndim == 2:
+        return t.unsqueeze(1)
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def use_gram(T: int, d_in: int, d_out: int) -> bool:
+    """Whether ghost norms of a (B, T, d_in) -> (B, T, d_out) Linear take the Gram route
+    (``<A A^T, G G^T>``, T^2 per sample) rather than materialising dW_i (d_in * d_out per sample):
+    the one holding fewer numbers per sample, which is also the cheaper one in FLOPs."""
+    return d_in * d_out > T * T
+
+
+def linear_grads(a: Any, g: Any) -> Any:
+    """Per-sample weight grads of ``y = x W^T``: ``dW[i] = sum_t g[i, t]^T a[i, t]`` -> (B, d_out, d_in).
+
+    a: (B, d_in) or (B, ..., d_in) activations, g: matching (B, d_out) or (B, ..., d_out) output
+    grads, one dtype. CUDA: cukit.batch_matmul (fp32 accumulation, g read transposed in place); for
+    T = 1 (2-D inputs) the broadcast outer product ``g[:, :, None] * a[:, None, :]``.
+    See also: ``torch.einsum("b...o,b...i->boi", g, a)``, Opacus' grad sampler for nn.Linear.
+    """
+    a3, g3 = _as_3d(a), _as_3d(g)
+    if not a.is_cuda:
+        return reference_linear_grads(a3, g3)
+    if a3.shape[1] == 1:  # an outer product per sample: memory-bound, a GEMM with K = 1 gains nothing
+        return g3.transpose(1, 2) * a3
+    from cukit.ops.matmul import batch_matmul
+
+    return batch_matmul(g3.transpose(1, 2), a3, precision="ieee")
+
+
+def reference_linear_grads(a: Any, g: Any) -> Any:
+    """torch per-sample Linear weight grads, (B, d_out, d_in), in the accumulation type then cast."""
+    a3, g3 = _as_3d(a), _as_3d(g)
+    acc = _acc(a3)
+    return (g3.to(acc).transpose(1, 2) @ a3.to(acc)).to(a.dtype)
+
+
+def linear_sq_norms(a: Any, g: Any, *, gram: bool | None = None) -> Any:
+    """Squared Frobenius norms of the per-sample weight grads of ``y = x W^T`` without forming
+    them when possible: ``||a_i||^2 ||g_i||^2`` for 2-D inputs (T = 1), else the Gram route
+    ``<A_i A_i^T, G_i G_i^T>_F`` (gram=None: :func:`use_gram` decides) or ``||G_i^T A_i||_F^2``.
+
+    a: (B, d_in) or (B, ..., d_in); g: (B, d_out) or (B, ..., d_out); one dtype. Returns (B,) in
+    float32 (float64 for float64). See also: Opacus' ghost clipping (``ghost_norm`` of Li et al.).
+    """
+    a3, g3 = _as_3d(a), _as_3d(g)
+    _, T, d_in = a3.shape
+    if T == 1:
+        return row_sq_norms(a3) * row_sq_norms(g3)
+    if gram is None:
+        gram = use_gram(T, d_in, g3.shape[2])
+    if not gram:
+        return row_sq_norms(linear_grads(a3, g3))
+    if not a.is_cuda:
+        return reference_linear_sq_norms(a3, g3, gram=True)
+    from cukit.ops.matmul import batch_matmul
+
+    aa = batch_matmul(a3, a3.transpose(1, 2), precision="ieee")
+    gg = batch_matmul(g3, g3.transpose(1, 2), precision="ieee")
+    return row_sq_norms(aa, gg)
+
+
+def reference_linear_sq_norms(a: Any, g: Any, *, gram: bool = True) -> Any:
+    """torch linear_sq_norms in the accumulation type, by the chosen route."""
+    a3, g3 = _as_3d(a), _as_3d(g)
+    acc = _acc(a3)
+    a3, g3 = a3.to(acc), g3.to(acc)
+    if gram:
+        return ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
+    return (g3.transpose(1, 2) @ a3).square().sum((1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding: per-sample grads (scatter) and ghost norms (index-equality masked Gram matrix)
+# ---------------------------------------------------------------------------------------------
+
+
+def embedding_grads(idx: Any, g: Any, num_embeddings: int, padding_idx: int | None = None) -> Any:
+    """Per-sample grads of an embedding table: ``dE[i, v] = sum_{t: idx[i, t] = v} g[i, t]`` ->
+    (B, V, d); rows of padding_idx stay zero (torch's rule). idx: (B, ...) integer indices, g:
+    (B, ..., d). Dense: B * V * d numbers (prefer the norms or the clipped sum for large tables).
+    Both paths are torch's index_put with accumulate (deterministic under
+    ``torch.use_deterministic_algorithms``). See also: ``torch.func.vmap(torch.func.grad(...))``.
+    """
+    return reference_embedding_grads(idx, g, num_embeddings, padding_idx)
+
+
+def reference_embedding_grads(idx: Any, g: Any, num_embeddings: int, padding_idx: int | None = None) -> Any:
+    """torch per-sample embedding grads, (B, V, d)."""
+    import torch
+
+    B = idx.shape[0]
+    d = g.shape[-1]
+    idx2 = idx.reshape(B, -1)
+    g3 = g.reshape(B, -1, d)
+    if padding_idx is not None:
+        g3 = g3 * (idx2 != padding_idx).unsqueeze(-1).to(g3.dtype)
+    out = g3.new_zeros((B, num_embeddings, d))
+    rows = torch.arange(B, device=idx.device).unsqueeze(1).expand_as(idx2)
+    out.index_put_((rows, idx2), g3, accumulate=True)
+    return out
+
+
+def embedding_sq_norms(idx: Any, g: Any, padding_idx: int | None = None) -> Any:
+    """Squared norms of per-sample embedding grads without forming them:
+    ``sum_{t, s: idx[t] = idx[s]} <g[t], g[s]>`` (one (T, T) Gram matrix per sample). idx: (B, ...),
+    g: (B, ..., d). Returns (B,) in the accumulation type."""
+    return reference_embedding_sq_norms(idx, g, padding_idx)
+
+
+def reference_embedding_sq_norms(idx: Any, g: Any, padding_idx: int | None = None) -> Any:
+    """torch embedding ghost norms (masked Gram route)."""
+    B = idx.shape[0]
+    acc = _acc(g)
+    idx2 = idx.reshape(B, -1)
+    g3 = g.reshape(B, -1, g.shape[-1]).to(acc)
+    if padding_idx is not None:
+        g3 = g3 * (idx2 != padding_idx).unsqueeze(-1).to(acc)
+    same = (idx2.unsqueeze(2) == idx2.unsqueeze(1)).to(acc)
+    return ((g3 @ g3.transpose(1, 2)) * same).sum((1, 2))

@@ -1,0 +1,538 @@
+"""cukit.per_sample_grads / per_sample_grad_norms and the array-level ops of cukit.ops.per_sample.
+
+CPU (CI): every layer kind in float64 against ``torch.func.vmap(torch.func.grad(...))`` of the
+per-sample loss (exact up to rounding), 2-D and 3-D (B, T, d) inputs, an MLP, a CNN, a tiny
+transformer block, tied weights, a module called twice, an in-place activation after a Linear,
+the torch.func fallback, the BatchNorm error; ghost norms against the norms of explicit per-sample
+grads, both Linear routes (Gram and materialised); the ops' references on odd shapes.
+GPU (marker gpu; the lead runs them on an H100): the kernels against the references in float32 and
+bfloat16, the whole feature on CUDA, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.func import functional_call, grad, vmap  # noqa: E402
+
+import cukit  # noqa: E402
+import cukit.nn as cnn  # noqa: E402
+from cukit.ops import per_sample as ops  # noqa: E402
+
+F64 = torch.float64
+
+
+def vmap_grads(model: nn.Module, loss_fn: Any, x: Any, y: Any) -> dict[str, torch.Tensor]:
+    """The oracle: torch.func per-sample grads of loss_fn on one-sample batches."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+    def loss_i(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, p, (xi.unsqueeze(0),))
+        return loss_fn(out, yi.unsqueeze(0))
+
+    return vmap(grad(loss_i), in_dims=(None, 0, 0))(params, x, y)
+
+
+def sum_sq(out: Any, y: Any) -> torch.Tensor:
+    return (out.float() if out.dtype != F64 else out).sub(y).square().sum()
+
+
+def ce_sum(out: Any, y: Any) -> torch.Tensor:
+    out = out if out.dtype == F64 else out.float()  # the loss in float32 for 16-bit models
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
+
+
+def check(model: nn.Module, x: Any, y: Any, loss_fn: Any = sum_sq, rtol: float = 1e-9, atol: float = 1e-10) -> None:
+    got = cukit.per_sample_grads(model, loss_fn, x, y)
+    norms = cukit.per_sample_grad_norms(model, loss_fn, x, y)
+    # the oracle last: torch.func.functional_call on a module used twice leaves it detached
+    ref = vmap_grads(model, loss_fn, x, y)
+    assert set(got) == set(ref)
+    for k in ref:
+        assert got[k].shape == ref[k].shape, k
+        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=k)
+    want = torch.sqrt(sum(v.reshape(v.shape[0], -1).square().sum(1) for v in ref.values()))
+    torch.testing.assert_close(norms, want, rtol=rtol * 10, atol=atol)
+    for p in model.parameters():
+        assert p.grad is None  # untouched
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each layer kind, float64, against torch.func
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 7), (5, 3, 7), (4, 2, 3, 7), (1, 7)])
+def test_linear(bias: bool, shape: tuple) -> None:
+    m = nn.Linear(7, 4, bias=bias, dtype=F64)
+    x = torch.randn(*shape, dtype=F64)
+    check(m, x, torch.randn(*shape[:-1], 4, dtype=F64))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", None])
+def test_cukit_linear_fused_activation(activation: str | None) -> None:
+    m = cnn.Linear(6, 5, activation=activation, dtype=F64)
+    x = torch.randn(4, 3, 6, dtype=F64)
+    check(m, x, torch.randn(4, 3, 5, dtype=F64))
+
+
+def test_conv1d_transposed_gpt2_style() -> None:
+    m = cnn.Conv1D(5, 6, dtype=F64)  # nf=5 outputs, nx=6 inputs: y = x W + b, W (6, 5)
+    check(m, torch.randn(3, 4, 6, dtype=F64), torch.randn(3, 4, 5, dtype=F64))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(kernel_size=3),
+        dict(kernel_size=3, padding=1, stride=2),
+        dict(kernel_size=(2, 3), padding=(1, 0), dilation=(2, 1), bias=False),
+        dict(kernel_size=3, groups=2, padding="same"),
+        dict(kernel_size=3, padding=1, padding_mode="reflect"),
+        dict(kernel_size=4, padding="same", padding_mode="circular"),
+    ],
+)
+def test_conv2d(kw: dict) -> None:
+    m = nn.Conv2d(4, 6, dtype=F64, **kw)
+    x = torch.randn(3, 4, 9, 8, dtype=F64)
+    out = m(x)
+    check(m, x, torch.randn_like(out))
+
+
+def test_cukit_conv2d_with_activation() -> None:
+    m = cnn.Conv2d(3, 4, 3, padding=1, activation="gelu", dtype=F64)
+    x = torch.randn(2, 3, 6, 6, dtype=F64)
+    check(m, x, torch.randn(2, 4, 6, 6, dtype=F64))
+
+
+@pytest.mark.parametrize("kw", [dict(kernel_size=3), dict(kernel_size=3, stride=2, padding=2, groups=2)])
+def test_conv1d(kw: dict) -> None:
+    m = nn.Conv1d(4, 6, dtype=F64, **kw)
+    x = torch.randn(3, 4, 11, dtype=F64)
+    check(m, x, torch.randn_like(m(x)))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 1])
+def test_embedding(padding_idx: int | None) -> None:
+    m = nn.Embedding(10, 5, padding_idx=padding_idx, dtype=F64)
+    idx = torch.randint(0, 10, (4, 6))
+    idx[0, :3] = 2  # repeated tokens within a sample: the ghost norm's cross terms
+    idx[1, 0] = 1
+    check(m, idx, torch.randn(4, 6, 5, dtype=F64))
+
+
+def test_embedding_scale_grad_by_freq_falls_back() -> None:
+    m = nn.Embedding(10, 5, scale_grad_by_freq=True, dtype=F64)
+    idx = torch.randint(0, 10, (4, 6))
+    check(m, idx, torch.randn(4, 6, 5, dtype=F64))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LayerNorm(7, dtype=F64),
+        lambda: nn.LayerNorm(7, bias=False, dtype=F64),
+        lambda: nn.LayerNorm((3, 7), dtype=F64),
+        lambda: nn.RMSNorm(7, dtype=F64),
+        lambda: nn.RMSNorm(7, eps=1e-5, dtype=F64),
+        lambda: cnn.LayerNorm(7, dtype=F64),
+        lambda: cnn.RMSNorm(7, dtype=F64),
+        lambda: cnn.RMSNorm(7, offset=1.0, dtype=F64),
+    ],
+)
+def test_norms(make: Any) -> None:
+    m = make()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p))
+    x = torch.randn(4, 3, 7, dtype=F64)
+    check(m, x, torch.randn(4, 3, 7, dtype=F64))
+
+
+def test_hf_llama_rmsnorm_by_structure() -> None:
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    m = llama.LlamaRMSNorm(7, eps=1e-6).to(F64)
+    with torch.no_grad():
+        m.weight.add_(torch.randn(7, dtype=F64))
+    from cukit.per_sample import NormKind, kind_of
+
+    assert isinstance(kind_of(m), NormKind)
+    check(m, torch.randn(4, 3, 7, dtype=F64), torch.randn(4, 3, 7, dtype=F64))
+
+
+def test_hf_conv1d() -> None:
+    pu = pytest.importorskip("transformers.pytorch_utils")
+    m = pu.Conv1D(5, 6).to(F64)
+    from cukit.per_sample import LinearKind, kind_of
+
+    assert isinstance(kind_of(m), LinearKind)
+    check(m, torch.randn(3, 4, 6, dtype=F64), torch.randn(3, 4, 5, dtype=F64))
+
+
+class Scale(nn.Module):
+    """A parameterised layer with no fused rule: the torch.func fallback."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(d, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.s) + x
+
+
+def test_fallback_and_groupnorm() -> None:
+    m = nn.Sequential(nn.Linear(6, 8, dtype=F64), Scale(8), nn.Unflatten(1, (2, 4)),
+                      nn.GroupNorm(2, 2, dtype=F64), nn.Flatten(), nn.Linear(8, 3, dtype=F64))
+    check(m, torch.randn(5, 6, dtype=F64), torch.randn(5, 3, dtype=F64))
+
+
+class Attn(nn.Module):
+    """torch.nn.MultiheadAttention owns in_proj_weight and returns a tuple: the fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+def test_fallback_tuple_output_multihead_attention() -> None:
+    check(Attn(), torch.randn(3, 4, 8, dtype=F64), torch.randn(3, 4, 8, dtype=F64))
+
+
+def test_parameter_used_outside_its_module_is_an_error() -> None:
+    class Tied(nn.Module):  # no parameters of its own: nothing records the functional use
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(6, 4, dtype=F64)
+            self.head = nn.Linear(4, 4, dtype=F64)  # never called: its weight is used by F.linear
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(self.emb(idx), self.head.weight)
+
+    with pytest.raises(ValueError, match=r"parameter 'head\.weight' is used outside its module's forward"):
+        cukit.per_sample_grads(Tied(), sum_sq, torch.randint(0, 6, (3, 2)), torch.randn(3, 2, 4, dtype=F64))
+
+
+def test_linear_subclass_with_its_own_forward_falls_back() -> None:
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2.0 * super().forward(x)
+
+    from cukit.per_sample import FallbackKind, kind_of
+
+    m = Scaled(4, 3, dtype=F64)
+    assert isinstance(kind_of(m), FallbackKind)
+    check(m, torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def mlp(dtype: Any = F64) -> nn.Module:
+    return nn.Sequential(nn.Linear(20, 16, dtype=dtype), nn.ReLU(inplace=True), nn.Linear(16, 16, dtype=dtype),
+                         nn.ReLU(), nn.Linear(16, 10, dtype=dtype))
+
+
+def cnn_model(dtype: Any = F64) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1, dtype=dtype), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1, dtype=dtype), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Linear(64, 10, dtype=dtype),
+    )
+
+
+def test_mlp_inplace_relu_and_cross_entropy() -> None:
+    check(mlp(), torch.randn(6, 20, dtype=F64), torch.randint(0, 10, (6,)), ce_sum)
+
+
+def test_mlp_mean_reduction() -> None:
+    m = mlp()
+    x, y = torch.randn(6, 20, dtype=F64), torch.randint(0, 10, (6,))
+    ref = vmap_grads(m, ce_sum, x, y)
+    got = cukit.per_sample_grads(m, nn.CrossEntropyLoss(), x, y, loss_reduction="mean")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k])
+    norms = cukit.per_sample_grad_norms(m, nn.CrossEntropyLoss(), x, y, loss_reduction="mean")
+    torch.testing.assert_close(norms, torch.sqrt(sum(v.flatten(1).square().sum(1) for v in ref.values())))
+
+
+def test_cnn() -> None:
+    check(cnn_model(), torch.randn(4, 1, 8, 8, dtype=F64), torch.randint(0, 10, (4,)), ce_sum)
+
+
+class Block(nn.Module):
+    """A tiny pre-norm transformer block with tied input/output embeddings."""
+
+    def __init__(self, V: int = 11, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, d, dtype=F64)
+        self.pos = nn.Parameter(torch.randn(5, d, dtype=F64) * 0.1)  # a bare parameter: fallback on the root
+        self.ln1 = nn.LayerNorm(d, dtype=F64)
+        self.qkv = nn.Linear(d, 3 * d, dtype=F64)
+        self.proj = nn.Linear(d, d, dtype=F64)
+        self.ln2 = nn.RMSNorm(d, dtype=F64)
+        self.up = cnn.Linear(d, 16, activation="gelu", dtype=F64)
+        self.down = nn.Linear(16, d, dtype=F64)
+        self.head = nn.Linear(d, V, bias=False, dtype=F64)
+        self.head.weight = self.emb.weight  # tied
+        self.heads = heads
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        h = self.emb(idx) + self.pos[:T]
+        q, k, v = self.qkv(self.ln1(h)).view(B, T, 3, self.heads, -1).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(B, T, -1))
+        h = h + self.down(self.up(self.ln2(h)))
+        return self.head(h)
+
+
+def test_tiny_transformer_block_tied_weights() -> None:
+    m = Block()
+    idx = torch.randint(0, 11, (3, 5))
+    check(m, idx, torch.randint(0, 11, (3, 5)), ce_sum)
+
+
+def test_module_called_twice() -> None:
+    lin = nn.Linear(5, 5, dtype=F64)
+    m = nn.Sequential(lin, nn.Tanh(), lin)
+    check(m, torch.randn(4, 5, dtype=F64), torch.randn(4, 5, dtype=F64))
+
+
+def test_unused_and_frozen_parameters() -> None:
+    m = nn.ModuleDict({"a": nn.Linear(4, 3, dtype=F64), "b": nn.Linear(4, 3, dtype=F64)})
+    m["a"].bias.requires_grad_(False)
+
+    class Use(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.m["a"](x)
+
+    model = Use()
+    x, y = torch.randn(3, 4, dtype=F64), torch.randn(3, 3, dtype=F64)
+    got = cukit.per_sample_grads(model, sum_sq, x, y)
+    assert "m.a.bias" not in got
+    assert torch.equal(got["m.b.weight"], torch.zeros(3, 3, 4, dtype=F64))
+    ref = vmap_grads(model, sum_sq, x, y)
+    torch.testing.assert_close(got["m.a.weight"], ref["m.a.weight"])
+
+
+def test_batchnorm_is_a_clear_error() -> None:
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"BatchNorm1d.*per-sample gradients are undefined"):
+        cukit.per_sample_grads(m, sum_sq, torch.randn(3, 4), torch.randn(3, 4))
+    m.eval()  # running statistics: samples are independent, the fallback handles it
+    x = torch.randn(3, 4)
+    got = cukit.per_sample_grads(m, sum_sq, x, torch.randn(3, 4))
+    assert got["1.weight"].shape == (3, 4)
+
+
+def test_bad_arguments() -> None:
+    m = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="loss_reduction must be 'sum' or 'mean'"):
+        cukit.per_sample_grads(m, sum_sq, torch.randn(2, 3), torch.randn(2, 2), loss_reduction="none")
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        cukit.per_sample_grads(m, lambda o, t: (o - t).square(), torch.randn(2, 3), torch.randn(2, 2))
+
+
+def test_norms_per_parameter() -> None:
+    m = mlp()
+    x, y = torch.randn(6, 20, dtype=F64), torch.randint(0, 10, (6,))
+    ref = vmap_grads(m, ce_sum, x, y)
+    per = cukit.per_sample_grad_norms(m, ce_sum, x, y, per_parameter=True)
+    for k in ref:
+        torch.testing.assert_close(per[k], ref[k].flatten(1).norm(dim=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Array-level ops (references; the CPU path)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 123), (3, 4097), (0, 5), (4, 0), (2, 3, 5)])
+def test_row_sq_norms(shape: tuple) -> None:
+    x, y = torch.randn(shape, dtype=F64), torch.randn(shape, dtype=F64)
+    rows = (shape[0], math.prod(shape[1:]))
+    torch.testing.assert_close(ops.row_sq_norms(x), x.reshape(rows).square().sum(1))
+    torch.testing.assert_close(ops.row_sq_norms(x, y), (x * y).reshape(rows).sum(1))
+
+
+@pytest.mark.parametrize("T,d_in,d_out", [(1, 5, 3), (4, 5, 3), (7, 2, 3), (3, 1, 1)])
+def test_linear_routes_agree(T: int, d_in: int, d_out: int) -> None:
+    a, g = torch.randn(4, T, d_in, dtype=F64), torch.randn(4, T, d_out, dtype=F64)
+    explicit = ops.linear_grads(a, g).flatten(1).square().sum(1)
+    for gram in (True, False):
+        torch.testing.assert_close(ops.linear_sq_norms(a, g, gram=gram), explicit)
+    assert ops.use_gram(3, 5, 3) and not ops.use_gram(4, 5, 3)
+
+
+@given(B=st.integers(1, 5), T=st.integers(1, 9), d_in=st.integers(1, 13), d_out=st.integers(1, 7),
+       three_d=st.booleans())
+def test_linear_ops_property(B: int, T: int, d_in: int, d_out: int, three_d: bool) -> None:
+    shape = (B, T) if three_d else (B,)
+    a = torch.randn(*shape, d_in, dtype=F64)
+    g = torch.randn(*shape, d_out, dtype=F64)
+    want = torch.einsum("b...o,b...i->boi", g, a)
+    torch.testing.assert_close(ops.linear_grads(a, g), want)
+    for gram in (True, False, None):
+        torch.testing.assert_close(ops.linear_sq_norms(a, g, gram=gram), want.flatten(1).square().sum(1))
+    f = torch.rand(B, dtype=F64)
+    torch.testing.assert_close(ops.weighted_sum(want, f), torch.einsum("b,boi->oi", f, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_16_and_32_bit_models_on_cpu(dtype: Any) -> None:
+    m64 = mlp()
+    x, y = torch.randn(6, 20, dtype=F64), torch.randint(0, 10, (6,))
+    ref = cukit.per_sample_grads(m64, ce_sum, x, y)
+    m = m64.to(dtype)
+    got = cukit.per_sample_grads(m, ce_sum, x.to(dtype), y)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    for k in ref:
+        assert got[k].dtype == dtype
+        assert float((got[k].double() - ref[k]).norm() / ref[k].norm()) < tol, k
+    assert cukit.per_sample_grad_norms(m, ce_sum, x.to(dtype), y).dtype == torch.float32
+
+
+def test_clip_scale_weighted_sum() -> None:
+    sq = torch.tensor([0.0, 4.0, 100.0, float("nan")], dtype=F64)
+    norms, f = ops.clip_factors(sq, 5.0)
+    torch.testing.assert_close(norms[:3], torch.tensor([0.0, 2.0, 10.0], dtype=F64))
+    torch.testing.assert_close(f[:3], torch.tensor([1.0, 1.0, 5.0 / (10.0 + 1e-6)], dtype=F64))
+    assert torch.isnan(f[3])
+    ps = torch.randn(3, 4, 5, dtype=F64)
+    w = torch.tensor([0.5, 1.0, 2.0], dtype=F64)
+    torch.testing.assert_close(ops.scale_rows(ps, w), ps * w.view(3, 1, 1))
+    out = torch.ones(4, 5, dtype=F64)
+    ops.weighted_sum(ps, w, out)
+    torch.testing.assert_close(out, 1 + (ps * w.view(3, 1, 1)).sum(0))
+
+
+def test_sum_over_t_and_bad_inputs() -> None:
+    g, x = torch.randn(3, 5, 4, dtype=F64), torch.randn(3, 5, 4, dtype=F64)
+    torch.testing.assert_close(ops.sum_over_t(g), g.sum(1))
+    torch.testing.assert_close(ops.sum_over_t(g, x), (g * x).sum(1))
+    assert ops.sum_over_t(g.half(), out_dtype=torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="g must be 3-D"):
+        ops.sum_over_t(g[0])
+    with pytest.raises(TypeError, match=r"x must have dtype torch\.float64"):
+        ops.sum_over_t(g, x.float())
+    with pytest.raises(TypeError, match="must have dtype float16, bfloat16, float32 or float64"):
+        ops.row_sq_norms(torch.ones(3, 2, dtype=torch.int64))
+
+
+def test_embedding_ops() -> None:
+    idx = torch.tensor([[1, 1, 2], [0, 3, 3]])
+    g = torch.randn(2, 3, 4, dtype=F64)
+    ps = ops.embedding_grads(idx, g, 5)
+    torch.testing.assert_close(ps[0, 1], g[0, 0] + g[0, 1])
+    torch.testing.assert_close(ops.embedding_sq_norms(idx, g), ps.flatten(1).square().sum(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the lead runs these on an H100)
+# ---------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3),
+       torch.float64: (1e-12, 1e-12)}
+DTYPES = list(TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 123), (3, 4097), (257, 1000), (2, 1 << 20), (0, 4), (70000, 3)])
+def test_gpu_row_sq_norms(dtype: Any, shape: tuple) -> None:
+    x = torch.randn(shape, device="cuda").to(dtype)
+    y = torch.randn(shape, device="cuda").to(dtype)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(ops.row_sq_norms(x), ops.reference_row_sq_norms(x), rtol=rtol, atol=atol * shape[-1])
+    torch.testing.assert_close(ops.row_sq_norms(x, y), ops.reference_row_sq_norms(x, y), rtol=rtol,
+                               atol=atol * shape[-1])
+    assert torch.equal(ops.row_sq_norms(x), ops.row_sq_norms(x))  # bitwise reproducible (plan-cache hit)
+    torch.testing.assert_close(ops.row_sq_norms(x[:, 1:]), ops.reference_row_sq_norms(x[:, 1:]), rtol=rtol,
+                               atol=atol * shape[-1])  # misaligned rows: the scalar path
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 1, 7), (5, 123, 64), (3, 33, 4097), (256, 1, 512), (2, 0, 8)])
+def test_gpu_sum_t_scale_weighted(dtype: Any, shape: tuple) -> None:
+    g = torch.randn(shape, device="cuda").to(dtype)
+    x = torch.randn(shape, device="cuda").to(dtype)
+    rtol, atol = TOL[dtype]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for xx in (None, x):
+        for od in (dtype, acc):
+            torch.testing.assert_close(ops.sum_over_t(g, xx, out_dtype=od),
+                                       ops.reference_sum_over_t(g, xx, out_dtype=od), rtol=rtol, atol=atol * shape[1])
+    f = torch.rand(shape[0], device="cuda", dtype=acc)
+    torch.testing.assert_close(ops.scale_rows(g, f), (g.to(acc) * f.view(-1, 1, 1)).to(dtype), rtol=rtol, atol=atol)
+    out = torch.zeros(shape[1:], device="cuda", dtype=acc)
+    ops.weighted_sum(g, f, out)
+    torch.testing.assert_close(out, ops.reference_weighted_sum(g, f), rtol=rtol, atol=atol * shape[0])
+    sq = torch.rand(shape[0], device="cuda", dtype=acc) * 10
+    sq[0] = float("nan")  # kept: a poisoned sample shows in the result
+    for a, b in zip(ops.clip_factors(sq, 1.5), ops.reference_clip_factors(sq, 1.5), strict=True):
+        torch.testing.assert_close(a, b, equal_nan=True)
+        assert torch.isnan(a[0])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factory", [mlp, cnn_model, Block])
+def test_gpu_models_match_cpu_float64(dtype: Any, factory: Any) -> None:
+    m64 = factory() if factory is not Block else Block()
+    x = torch.randint(0, 11, (3, 5)) if factory is Block else (
+        torch.randn(4, 1, 8, 8, dtype=F64) if factory is cnn_model else torch.randn(6, 20, dtype=F64))
+    y = torch.randint(0, 11 if factory is Block else 10, (3, 5) if factory is Block else (x.shape[0],))
+    ref = cukit.per_sample_grads(m64, ce_sum, x, y)
+    ref_n = cukit.per_sample_grad_norms(m64, ce_sum, x, y)
+    m = m64.to(device="cuda", dtype=dtype)
+    xc = x.cuda() if not x.is_floating_point() else x.to("cuda", dtype)
+    got = cukit.per_sample_grads(m, ce_sum, xc, y.cuda())
+    tol = 5e-2 if dtype == torch.bfloat16 else 2e-3  # cuDNN convolutions use TF32 by default
+    for k in ref:
+        err = (got[k].double().cpu() - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)
+        assert err < tol, (k, float(err))
+    n = cukit.per_sample_grad_norms(m, ce_sum, xc, y.cuda())
+    torch.testing.assert_close(n.double().cpu(), ref_n, rtol=tol, atol=tol)
+
+
+@gpu
+@needs_cuda
+def test_gpu_no_host_sync() -> None:
+    m = mlp(torch.float32).cuda()
+    x, y = torch.randn(64, 20, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+    cukit.per_sample_grad_norms(m, ce_sum, x, y)  # plans built, kernels compiled
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cukit.per_sample_grad_norms(m, ce_sum, x, y)
+        cukit.per_sample_grads(m, ce_sum, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
