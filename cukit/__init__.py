@@ -28,6 +28,7 @@ from cukit._api import (
     swiglu_backward,
 )
 from cukit._device import device_info, is_available
+from cukit._memory import memory_info
 from cukit._runtime import KernelCompileError
 from cukit._warmup import warmup
 from cukit.interop import asarray, to_torch, use_torch_allocator
@@ -56,6 +57,7 @@ __all__ = [
     "linear",
     "linear_cross_entropy",
     "matmul",
+    "memory_info",
     "rms_norm",
     "rms_norm_backward",
     "rotary_embedding",
@@ -68,16 +70,20 @@ __all__ = [
     "warmup",
 ]
 
-_LAZY = {"nn", "optim", "testing", "torch", "train"}  # these import torch or hypothesis: load on first use
+_LAZY = {"dp", "linalg", "nn", "optim", "testing", "torch", "train"}  # loaded on first use (most import torch)
 _SUBMODULES = {"interop", "ops"}  # imported with the package; public
+# functions of lazy modules (they import torch), loaded on first use
+_LAZY_FUNCTIONS = {"per_sample_grads": "cukit.per_sample", "per_sample_grad_norms": "cukit.per_sample"}
 
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
         return _importlib.import_module(f"cukit.{name}")
+    if name in _LAZY_FUNCTIONS:
+        return getattr(_importlib.import_module(_LAZY_FUNCTIONS[name]), name)
     raise AttributeError(f"module 'cukit' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     """The public names and submodules (lazy ones included), not the imports behind them."""
-    return sorted({*__all__, *_LAZY, *_SUBMODULES})
+    return sorted({*__all__, *_LAZY, *_SUBMODULES, *_LAZY_FUNCTIONS})

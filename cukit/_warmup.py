@@ -61,6 +61,8 @@ KERNEL_OWNERS = (
     "cukit.ops.matmul_tc",
     "cukit.ops.repack",
     "cukit.optim._kernels",
+    "cukit.ops.per_sample",
+    "cukit.ops.linalg",
 )
 
 # Each public op and the kernel files its calls launch (files as in raw_kernels/; a file's
@@ -80,6 +82,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "lion": ("lion.cu", "multi_tensor_l2norm.cu"),
     "sgd": ("sgd.cu", "multi_tensor_l2norm.cu"),
     "multi_tensor_l2norm": ("multi_tensor_l2norm.cu",),
+    "per_sample_grads": ("per_sample.cu", "matmul_simt.cu", "matmul_tc.cu", "repack.cu"),
+    "matrix_inverse_root": ("linalg.cu", "matmul_simt.cu", "matmul_tc.cu"),
 }
 # Other public names of the same kernels.
 _ALIASES: dict[str, str] = {
@@ -96,6 +100,11 @@ _ALIASES: dict[str, str] = {
     "chunked_matmul": "matmul",
     "adamw": "adam",
     "clip_grad_norm_": "multi_tensor_l2norm",
+    "per_sample_grad_norms": "per_sample_grads",
+    "dp": "per_sample_grads",
+    "matrix_root": "matrix_inverse_root",
+    "matrix_power": "matrix_inverse_root",
+    "kron": "matrix_inverse_root",
 }
 # The dtypes kernels are instantiated for (a group's name starts with one of them).
 KERNEL_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")

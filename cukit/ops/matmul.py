@@ -1249,7 +1249,7 @@ def gemm(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: float = 0.0, pre
     ``beta=1``), keeps float32 results of 16-bit inputs, or writes into part of a larger buffer.
 
     Args:
-        a: (M, K) and b: (K, N), 2-D, one dtype (float16, bfloat16, float32 or float64; no
+        a: (M, K) and b: (K, N), 2-D (or 3-D, see out), one dtype (float16, bfloat16, float32 or float64; no
             promotion). CuPy arrays or torch CUDA tensors run cukit's kernels; NumPy arrays and
             torch CPU tensors run the reference (:func:`gemm_reference_numpy`,
             :func:`gemm_reference_torch`). Each must have a unit stride along one dimension: a
@@ -1259,6 +1259,10 @@ def gemm(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: float = 0.0, pre
             bfloat16 (the fp32 accumulation written without rounding to 16 bits). Unit column
             stride and row stride >= N: a row slice or a column block of a larger buffer is
             written in place and its other elements are untouched. It must not overlap a or b.
+            Batched: a (B, M, K), b (B, K, N) and out (B, M, N), all 3-D with one batch size
+            (no broadcasting of shapes), give ``out[z] = alpha * (a[z] @ b[z]) + beta * out[z]``
+            in one launch; each matrix follows the rules above, a's and b's batch strides are
+            free (0 reads one matrix for every z), out's matrices must not overlap.
         alpha, beta: real numbers (Python or NumPy scalars), applied in the accumulation type
             (float32; float64 for float64). beta == 0 never reads out (it may hold NaN or
             garbage); otherwise each element of out is read once. alpha multiplies the product
@@ -1382,34 +1386,52 @@ def _validate_gemm(a: Any, b: Any, out: Any) -> tuple[str, int | None]:
             f"{fn}: out must have dtype {' or '.join(outs)} (a's{', or float32 for 16-bit a' if len(outs) > 1 else ''}); "
             f"got {_dtype_name(out, kind)}"
         )
-    for nm, x, want in (("a", a, "(M, K)"), ("b", b, "(K, N)"), ("out", out, "(M, N)")):
-        if x.ndim != 2:
-            raise ValueError(f"{fn}: {nm} must be 2-D {want}; got shape {tuple(x.shape)}")
-    M, K = (int(n) for n in a.shape)
-    if b.shape[0] != K:
+    if a.ndim == 3:  # batched: (B, M, K) @ (B, K, N) -> (B, M, N)
+        for nm, x, want in (("b", b, "(B, K, N)"), ("out", out, "(B, M, N)")):
+            if x.ndim != 3:
+                raise ValueError(f"{fn}: {nm} must be 3-D {want} like a (B, M, K); got shape {tuple(x.shape)}")
+        for nm, x in (("b", b), ("out", out)):
+            if x.shape[0] != a.shape[0]:
+                raise ValueError(
+                    f"{fn}: {nm} must have a's batch size {a.shape[0]} (no broadcasting); got shape {tuple(x.shape)}"
+                )
+    else:
+        for nm, x, want in (("a", a, "(M, K)"), ("b", b, "(K, N)"), ("out", out, "(M, N)")):
+            if x.ndim != 2:
+                raise ValueError(
+                    f"{fn}: {nm} must be 2-D {want}{' (or a, b, out all 3-D)' if nm == 'a' else ''}; "
+                    f"got shape {tuple(x.shape)}"
+                )
+    M, K = (int(n) for n in a.shape[-2:])
+    if b.shape[-2] != K:
         raise ValueError(
             f"{fn}: b must have K = {K} rows, a's last dimension (b is (K, N)); got shape {tuple(b.shape)} "
             f"(a.shape={tuple(a.shape)})"
         )
-    N = int(b.shape[1])
-    if tuple(out.shape) != (M, N):
+    N = int(b.shape[-1])
+    if tuple(out.shape[-2:]) != (M, N):
         raise ValueError(f"{fn}: out must have shape (M, N) = {(M, N)}; got {tuple(out.shape)}")
     for nm, x, (r, c) in (("a", a, (M, K)), ("b", b, (K, N))):
         if r * c == 0:  # nothing is read: any strides
             continue
         st = element_strides(x, kind)
-        if st is None or _matrix_layout(r, c, st[0], st[1]) is None or any(
-            s == 0 and n > 1 for n, s in zip(x.shape, st, strict=True)
+        if st is None or _matrix_layout(r, c, st[-2], st[-1]) is None or any(
+            s == 0 and n > 1 for n, s in zip(x.shape[-2:], st[-2:], strict=True)
         ):
             raise ValueError(
                 f"{fn}: {nm} must have unit stride along one dimension and no broadcast (zero-stride) dimension "
                 f"(row-major, or a transposed view; gemm copies nothing); got {_strides_text(x, kind)}"
             )
     st = element_strides(out, kind)
-    if M * N and (st is None or (N > 1 and st[1] != 1) or (M > 1 and st[0] < N)):
+    if M * N and (st is None or (N > 1 and st[-1] != 1) or (M > 1 and st[-2] < N)):
         raise ValueError(
             f"{fn}: out must have unit column stride and a row stride >= N = {N} (row-major, or a row slice or "
             f"column block of a row-major array); got {_strides_text(out, kind)}"
+        )
+    if out.ndim == 3 and out.shape[0] > 1 and M * N and st is not None and st[0] < (M - 1) * max(st[1], 1) + N:
+        raise ValueError(
+            f"{fn}: out must have a batch stride >= {(M - 1) * max(st[1], 1) + N} (its matrices must not overlap); "
+            f"got {_strides_text(out, kind)}"
         )
     return kind, device
 
@@ -1432,7 +1454,7 @@ def _gemm_first(a: Any, b: Any, out: Any, alpha: float, beta: float, precision: 
         ext = (span_c, _span(a, kind), _span(b, kind))
         _check_disjoint(_ptr(a, kind), _ptr(b, kind), _ptr(out, kind), ext)
     run: Any = _noop_run
-    if out.shape[0] and out.shape[1]:
+    if math.prod(out.shape):
         g = _gemm_problem(a, b, out, kind, device, alpha=alpha, beta=beta, precision=precision)
         mod, g, variant = _plan(g, _FORCED)
         run = _prepare(mod, g, variant)
@@ -1447,20 +1469,24 @@ def _gemm_problem(
 ) -> Gemm:
     """The scaled Gemm of ``gemm(a, b, out)`` for arrays that passed :func:`_validate_gemm`: A and
     B read in place by their unit strides, C at out with ldc = out's row stride."""
-    M, K = (int(n) for n in a.shape)
-    N = int(b.shape[1])
+    M, K = (int(n) for n in a.shape[-2:])
+    N = int(b.shape[-1])
     sa, sb, sc = (element_strides(x, kind) for x in (a, b, out))
     assert sa is not None and sb is not None and sc is not None
     # K == 0: nothing is read; layouts whose rows are along K (none), so no alignment is needed
-    lay_a = _matrix_layout(M, K, sa[0], sa[1]) if K else (1, max(M, 1))
-    lay_b = _matrix_layout(K, N, sb[0], sb[1]) if K else (max(N, 1), 1)
+    lay_a = _matrix_layout(M, K, sa[-2], sa[-1]) if K else (1, max(M, 1))
+    lay_b = _matrix_layout(K, N, sb[-2], sb[-1]) if K else (max(N, 1), 1)
     assert lay_a is not None and lay_b is not None
     name = _dtype_name(a, kind)
+    nb = int(a.shape[0]) if a.ndim == 3 else 1
+    batched = nb > 1  # one batch dimension, the innermost of the Gemm's three (a zero stride broadcasts)
     return Gemm(
         dtype=DTYPES[name], M=M, N=N, K=K, a=_ptr(a, kind), b=_ptr(b, kind), c=_ptr(out, kind), bias=0, act=-1,
         sa_m=lay_a[0], sa_k=lay_a[1], sb_k=lay_b[0], sb_n=lay_b[1],
+        batch=(1, 1, nb), sa_batch=(0, 0, sa[0] if batched else 0), sb_batch=(0, 0, sb[0] if batched else 0),
         precision=precision if name == "float32" else "ieee", device=device,
-        c_dtype=DTYPES[_dtype_name(out, kind)], ldc=sc[0] if M > 1 else N, alpha=alpha, beta=beta, scaled=True,
+        c_dtype=DTYPES[_dtype_name(out, kind)], ldc=sc[-2] if M > 1 else N, sc_batch=sc[0] if batched else None,
+        alpha=alpha, beta=beta, scaled=True,
     )
 
 
@@ -1518,7 +1544,7 @@ def gemm_reference_torch(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: 
 
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     with torch.no_grad():
-        r = torch.mm(a.to(acc), b.to(acc))
+        r = torch.matmul(a.to(acc), b.to(acc))
         if alpha != 1.0:
             r.mul_(alpha)
         if beta != 0.0:

@@ -1,0 +1,375 @@
+"""Benchmark ``cukit.linalg.matrix_inverse_root`` (batched inverse 4th roots, Shampoo's preconditioner)
+against torch's and CuPy's batched ``eigh`` and the same coupled Newton iteration written with
+``torch.bmm``, on issue 12's table.
+
+Usage::
+
+    python benchmarks/bench_linalg.py [--out DIR] [--quick] [--dry-run] [--budget-s S] [--iters N]
+
+Cases: float32 G = A A^T / n + 1e-3 I (A standard normal, (batch, n, n)), p = 4, for batch x n in
+512 x 128, 500 x 100, 64 x 512, 8 x 2048 (the issue's rows) and 4096 x 16, 1024 x 32 (where an
+eigensolver should win; ``method="auto"``'s threshold, ``cukit.linalg.EIGH_MAX_N``).
+
+Implementations (each validated first against a float64 eigendecomposition, relative Frobenius
+error <= 2e-3 for the p = 4 roots; the "torch ns3" row against G^(-1/2)):
+
+- ``cukit newton``: ``method="newton", max_iters=N`` (default 15: the issue's loop length);
+- ``cukit newton tf32``: the same with ``precision="tf32"`` (tensor cores; validated to 3e-2 only);
+- ``cukit eigh``: ``method="eigh"`` (CuPy's batched solver, then a batched GEMM);
+- ``cukit auto``: ``method="auto"`` with its default iteration count;
+- ``torch newton``: the same algorithm in torch ops, ``torch.bmm`` (cuBLAS), N iterations;
+- ``torch ns3``: the issue's baseline, 15 coupled Newton-Schulz iterations of 3 bmm each (an inverse
+  square root: a lower bound on any inverse-4th-root loop);
+- ``torch eigh``, ``cupy eigh``: ``V diag(w^-1/4) V^T`` from ``torch.linalg.eigh`` / ``cupy.linalg.eigh``.
+
+Columns: median ms (CUDA events, L2 flushed), TFLOP/s of the GEMM routes (2 n^3 per GEMM per
+matrix) and their fraction of the GEMM roofline measured in the same run (``torch.bmm`` of one
+(batch, n, n) product in float32, TF32 off), and each row's speed relative to torch newton and
+cupy eigh. The summary says, per case, whether cukit's automatic choice is at or ahead of the
+torch Newton loop and of CuPy's eigh (the issue's targets). ``--dry-run`` runs the same code on the
+CPU with tiny shapes. Results go to ``--out DIR``, else to a new temporary folder (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+try:  # run as a script: benchmarks/ is on sys.path
+    import harness
+except ImportError:  # imported as benchmarks.bench_linalg from the repository root
+    from benchmarks import harness
+
+NAME = "bench_linalg"
+CASES_FULL = ((512, 128), (500, 100), (64, 512), (8, 2048), (4096, 16), (1024, 32))
+CASES_QUICK = ((512, 128), (64, 512), (1024, 32))
+CASES_DRY = ((3, 8), (2, 33))
+P = 4
+REL_TOL = 2e-3
+REL_TOL_TF32 = 3e-2  # TF32 products (10-bit mantissas): the Newton iteration converges to ~1e-3 of I only
+
+
+@dataclass
+class Config:
+    """Everything a run depends on; built from the command line by :func:`config_from_args`."""
+
+    device: str = "cuda"
+    cases: tuple[tuple[int, int], ...] = CASES_FULL
+    iters: int = 15
+    warmup: int = 2
+    repeats: int = 10
+    slow_repeats: int = 3  # torch eigh: ~1 s a call on the issue's rows
+    flush_l2: bool = True
+    dry_run: bool = False
+    budget_s: float = 420.0
+    seed: int = 0
+    out: str | None = None
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = Config(out=args.out, seed=args.seed)
+    if args.quick:
+        cfg = replace(cfg, cases=CASES_QUICK, repeats=5, budget_s=150.0)
+    if args.dry_run:
+        cfg = replace(cfg, device="cpu", cases=CASES_DRY, warmup=1, repeats=2, slow_repeats=1, flush_l2=False,
+                      dry_run=True, budget_s=0.0)
+    if args.device is not None:
+        cfg = replace(cfg, device=args.device, flush_l2=args.device.startswith("cuda"))
+    if args.iters is not None:
+        cfg = replace(cfg, iters=args.iters)
+    if args.budget_s is not None:
+        cfg = replace(cfg, budget_s=args.budget_s)
+    return cfg
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementations: f(G) -> G^(-1/4) (torch tensors in and out)
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_eigh_root(g: Any, expo: float = -1.0 / P) -> Any:
+    """V diag(w^expo) V^T by torch.linalg.eigh (eigenvalues clamped at 0 + tiny)."""
+    w, v = _torch().linalg.eigh(g)
+    return (v * w.clamp_min(1e-30).pow(expo)[..., None, :]) @ v.mT
+
+
+def cupy_eigh_root(g: Any, expo: float = -1.0 / P) -> Any:
+    """The same through cupy.linalg.eigh on a zero-copy view, on torch's current stream."""
+    import cupy
+
+    from cukit.interop import asarray, current_stream, to_torch
+
+    with current_stream(g.get_device(), True):
+        w, v = cupy.linalg.eigh(asarray(g))
+        x = (v * cupy.maximum(w, 1e-30)[..., None, :] ** expo) @ v.swapaxes(-1, -2)
+    return to_torch(x)
+
+
+def torch_ns3(g: Any, iters: int = 15) -> Any:
+    """The issue's baseline: coupled Newton-Schulz for G^(-1/2), 3 bmm per iteration:
+    Y_0 = G / c, Z_0 = I; T = (3 I - Z Y) / 2; Y <- Y T; Z <- T Z; Z -> (G / c)^(-1/2)."""
+    torch = _torch()
+    n = g.shape[-1]
+    eye = torch.eye(n, dtype=g.dtype, device=g.device)
+    c = torch.linalg.matrix_norm(g)[:, None, None]
+    y, z = g / c, eye.expand_as(g)
+    for _ in range(iters):
+        t = 1.5 * eye - 0.5 * torch.bmm(z, y)
+        y, z = torch.bmm(y, t), torch.bmm(t, z)
+    return z / c.sqrt()
+
+
+def implementations(cfg: Config) -> list[tuple[str, Callable[[Any], Any] | str]]:
+    """(name, function of G or why it is missing), in the order they run."""
+    import cukit.linalg as la
+    from cukit.ops.linalg import default_tol, newton_reference_torch
+
+    cuda = cfg.device.startswith("cuda")
+    it = cfg.iters
+
+    def cukit_newton(g: Any) -> Any:
+        return la.matrix_inverse_root(g, P, method="newton", max_iters=it)
+
+    def torch_newton(g: Any) -> Any:
+        return newton_reference_torch(g, P, 1e-6, it, default_tol("float32", g.shape[-1]))[0]
+
+    def cukit_newton_tf32(g: Any) -> Any:
+        return la.matrix_inverse_root(g, P, method="newton", max_iters=it, precision="tf32")
+
+    return [
+        ("cukit newton", cukit_newton),
+        ("cukit newton tf32", cukit_newton_tf32 if cuda else "TF32 needs a GPU"),
+        ("cukit eigh", lambda g: la.matrix_inverse_root(g, P, method="eigh")),
+        ("cukit auto", lambda g: la.matrix_inverse_root(g, P)),
+        ("torch newton", torch_newton),
+        ("torch ns3", lambda g: torch_ns3(g, 15)),
+        ("torch eigh", torch_eigh_root),
+        ("cupy eigh", cupy_eigh_root if cuda else "CuPy needs a GPU"),
+    ]
+
+
+def gemm_count(name: str, cfg: Config, n: int) -> int:
+    """Batched GEMMs a GEMM route runs (0: not a GEMM route)."""
+    from cukit.ops.linalg import choose_method, default_max_iters
+
+    power = (P.bit_length() - 1) + bin(P).count("1")  # T^P M by binary powering, skipped in the last step
+
+    def newton(iters: int) -> int:
+        return iters * (1 + power) - power if iters else 0
+
+    if name in ("cukit newton", "cukit newton tf32", "torch newton"):
+        return newton(cfg.iters)
+    if name == "cukit auto" and choose_method(n, 2, "float32", 0 if cfg.device.startswith("cuda") else None) == "newton":
+        return newton(default_max_iters("float32"))
+    if name == "torch ns3":
+        return 15 * 3
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench(harness.RunState):
+    cfg: Config
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.cfg.device.startswith("cuda")
+
+    def timed(self, row: dict[str, Any], fn: Callable[[], Any], repeats: int) -> None:
+        t = harness.time_cuda(fn, warmup=self.cfg.warmup, repeats=repeats, flush_l2=self.cfg.flush_l2,
+                              cuda=self.cuda)
+        row.update(ms=t.ms, ms_p20=t.p20_ms, ms_p80=t.p80_ms, repeats=t.repeats, timing=t.method)
+
+
+def inputs(cfg: Config, batch: int, n: int) -> Any:
+    torch = _torch()
+    gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+    a = torch.randn(batch, n, n, device=cfg.device, generator=gen)
+    return a @ a.mT / n + 1e-3 * torch.eye(n, device=cfg.device)
+
+
+def oracle(g: Any, expo: float) -> Any:
+    """G^expo in float64 (CuPy's eigh on a GPU: torch's float64 batched eigh is the slow one here)."""
+    torch = _torch()
+    g64 = g.double()
+    if g.is_cuda:
+        return cupy_eigh_root(g64, expo)
+    w, v = torch.linalg.eigh(g64)
+    return (v * w.clamp_min(1e-300).pow(expo)[..., None, :]) @ v.mT
+
+
+def run_case(b: Bench, batch: int, n: int) -> None:
+    torch = _torch()
+    base = {"case": f"{batch}x{n}x{n}", "batch": batch, "n": n, "p": P, "dtype": "float32", "iters": b.cfg.iters}
+    impls = implementations(b.cfg)
+    reason = b.stop_reason(b.cfg.budget_s)
+    if reason:
+        b.rows += [{**base, "impl": name, "error": reason} for name, _ in impls]
+        return
+    g = inputs(b.cfg, batch, n)
+    want = {-0.25: oracle(g, -0.25), -0.5: oracle(g, -0.5)}
+    # the GEMM roofline at this shape: one float32 torch.bmm (cuBLAS), TF32 off
+    tb = harness.time_cuda(lambda: torch.bmm(g, g), warmup=b.cfg.warmup, repeats=b.cfg.repeats,
+                           flush_l2=b.cfg.flush_l2, cuda=b.cuda)
+    bmm_tflops = 2.0 * batch * n**3 / (tb.ms * 1e-3) / 1e12
+    b.rows.append({**base, "impl": "torch bmm (1 GEMM)", "ms": tb.ms, "tflops": bmm_tflops, "frac_gemm": 1.0})
+    for name, fn in impls:
+        row: dict[str, Any] = {**base, "impl": name}
+        if isinstance(fn, str):
+            row["error"] = f"skipped: {fn}"
+            b.rows.append(row)
+            continue
+        try:
+            got = fn(g)
+            expo = -0.5 if name == "torch ns3" else -0.25
+            harness.check_close(got, want[expo], name=name, elementwise=False,
+                                rel_tol=REL_TOL_TF32 if name.endswith("tf32") else REL_TOL)
+            del got
+            b.timed(row, lambda fn=fn: fn(g), b.cfg.slow_repeats if name == "torch eigh" else b.cfg.repeats)
+            k = gemm_count(name, b.cfg, n)
+            if k:
+                row["gemms"] = k
+                row["tflops"] = k * 2.0 * batch * n**3 / (row["ms"] * 1e-3) / 1e12
+                row["frac_gemm"] = row["tflops"] / bmm_tflops
+        except Exception as e:
+            row["error"] = b.record_failure(f"{base['case']} {name}", e)
+        b.rows.append(row)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS: list[str | tuple[str, str]] = [
+    "case", "impl", ("ms", "ms (median)"), "gemms", ("tflops", "TFLOP/s"), ("frac_gemm", "frac of bmm"),
+    ("vs_torch_newton", "vs torch newton"), ("vs_cupy_eigh", "vs cupy eigh"), ("error", "error"),
+]
+_FMT = {"error": lambda v: "" if v is None else str(v)[:60]}
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> None:
+    """vs_<baseline>: the baseline's ms / this row's ms, same case (> 1: this row is faster)."""
+    ms = {(r["case"], r["impl"]): r["ms"] for r in rows if r.get("ms")}
+    for r in rows:
+        for base, col in (("torch newton", "vs_torch_newton"), ("cupy eigh", "vs_cupy_eigh")):
+            if r.get("ms") and ms.get((r["case"], base)):
+                r[col] = ms[(r["case"], base)] / r["ms"]
+
+
+def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per case: cukit auto at or ahead of the faster of the torch Newton loop and CuPy's eigh (the
+    right tool for the case), and each cukit route against its own counterpart."""
+    out = []
+    ms = {(r["case"], r["impl"]): r.get("ms") for r in rows}
+    for case in dict.fromkeys(r["case"] for r in rows):
+        def get(impl: str, case: str = case) -> float | None:
+            v = ms.get((case, impl))
+            return v if isinstance(v, float) else None
+
+        auto, tn, ce, cn, ck = (get(i) for i in ("cukit auto", "torch newton", "cupy eigh", "cukit newton",
+                                                 "cukit eigh"))
+        best = min((v for v in (tn, ce) if v is not None), default=None)
+        if auto is None or best is None:
+            out.append(f"  {case:<14} auto vs best baseline: n/a (a row failed or was skipped)")
+            continue
+        tool = "torch newton" if best == tn else "cupy eigh"
+        out.append(f"  {case:<14} auto {auto:.3g} ms vs {tool} {best:.3g} ms: "
+                   f"{'PASS' if auto <= best * 1.02 else 'FAIL'} (x{best / auto:.2f})")
+        if cn is not None and tn is not None:
+            out.append(f"  {'':<14} cukit newton vs torch newton (same iterations): x{tn / cn:.2f}")
+        ns3 = get("torch ns3")
+        if ns3 is not None and auto is not None:
+            out.append(f"  {'':<14} cukit auto vs torch ns3 (the issue's 3-bmm loop, an inverse square root): "
+                       f"x{ns3 / auto:.2f}")
+        if ck is not None and ce is not None:
+            out.append(f"  {'':<14} cukit eigh vs cupy eigh: x{ce / ck:.2f}")
+    return out or ["  no rows"]
+
+
+def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
+    print()
+    print("=" * 110)
+    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
+          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | p = {P}, float32, Newton iterations "
+          f"{b.cfg.iters}")
+    harness.print_table(b.rows, COLUMNS, title="\nbatched inverse 4th root of G = A A^T / n + 1e-3 I:", formatters=_FMT)
+    print("\ntargets (at or ahead of the torch Newton loop and of CuPy eigh, whichever is the right tool):")
+    for line in target_lines(b.rows):
+        print(line)
+    harness.print_outcome(b.failures, saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    harness.add_out_argument(p)
+    p.add_argument("--quick", action="store_true", help="three cases, fewer repeats")
+    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
+    p.add_argument("--iters", type=int, default=None, help="Newton iterations of the newton rows (default 15)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
+    p.add_argument("--seed", type=int, default=0, help="input seed")
+    return p.parse_args(argv)
+
+
+def run(cfg: Config) -> Bench:
+    torch = _torch()
+    torch.manual_seed(cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 baselines in IEEE fp32, as cukit's GEMMs
+    cfg = harness.with_results_dir(cfg, NAME)
+    b = Bench(cfg=cfg)
+    b.meta["config"] = dict(vars(cfg))
+    print(f"{NAME}: device {cfg.device}, cases {', '.join(f'{bb}x{n}x{n}' for bb, n in cfg.cases)}, p = {P}",
+          flush=True)
+    for batch, n in cfg.cases:
+        try:
+            run_case(b, batch, n)
+        except Exception as e:  # the inputs or the oracle failed: record, go on
+            b.record_failure(f"{batch}x{n}", e)
+        if b.cuda:
+            harness.release_cuda_memory()
+        done = [r for r in b.rows if r.get("case") == f"{batch}x{n}x{n}"]
+        print(f"  {batch}x{n}x{n}: " + "  ".join(
+            f"{r['impl']}=" + (f"{r['ms']:.4g}ms" if r.get("ms") else
+                               "skip" if str(r.get("error")).startswith("skipped") else "ERR") for r in done),
+              flush=True)
+    ratios(b.rows)
+    env = harness.environment()
+    saved: list[str] = []
+    try:
+        saved = [str(p) for p in harness.save_results(
+            b.rows, NAME, cfg.out, env=env,
+            meta={**b.meta, "failures": b.failures, "elapsed_s": b.elapsed(), "rel_tol": REL_TOL})]
+    except Exception as e:
+        b.failures.append(f"saving results: {harness.short_error(e)}")
+    print_summary(b, env, saved)
+    return b
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns 0 when the run completed (failed cases are reported, not fatal)."""
+    args = parse_args(argv)
+    return harness.main_run(NAME, config_from_args(args), run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
