@@ -25,8 +25,7 @@ training mode mixes samples (per-sample gradients are undefined): ValueError nam
 Limits: a parameter used both through its module and functionally elsewhere (``F.linear(h,
 layer.weight)`` outside ``layer``) is not detected, and that use is missed (one used ONLY
 functionally by a module without parameters is a ValueError); the fallback passes keyword
-arguments unbatched; the Embedding clipped sum uses ``index_put_`` with accumulation (atomics on
-CUDA unless ``torch.use_deterministic_algorithms(True)``).
+arguments unbatched.
 
 The loss contract: ``loss_fn(outputs, targets)`` returns a scalar that is the SUM over samples of
 per-sample losses (``reduction="sum"``), or their MEAN with ``loss_reduction="mean"`` (the result
@@ -325,8 +324,41 @@ class EmbeddingKind(Kind):
         gs = ops.scale_rows(g.reshape(g.shape[0], -1, g.shape[-1]), f).reshape(-1, g.shape[-1])
         if m.padding_idx is not None:
             gs = gs * (idx != m.padding_idx).unsqueeze(1).to(gs.dtype)
-        out["weight"].index_put_((idx,), gs.to(out["weight"].dtype), accumulate=True)
+        scatter_rows_sum_(out["weight"], idx, gs)
 
+
+def scatter_rows_sum_(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[idx[j]] += rows[j]`` for every j, deterministic and sync-free: on CUDA (16-bit and
+    float32 out) the rows sorted by index (stable) and summed per index through a float64 prefix
+    sum; only the last row of each index's
+    run carries the run's sum, the others add exact zeros, so the order in which CUDA's accumulating
+    index_put adds duplicates (atomics) cannot change the result. idx (n,) integer, rows (n, d),
+    out (V, d)."""
+    n = idx.shape[0]
+    if n == 0:
+        return out
+    if out.device.type == "cpu" or out.dtype == torch.float64:
+        # the CPU accumulates in order (deterministic); float64 sums directly, without a prefix sum's
+        # cancellation (CUDA's float64 atomics may differ in the last bit run to run)
+        return out.index_put_((idx,), rows.to(out.dtype), accumulate=True)
+    return _scatter_rows_sum_sorted_(out, idx, rows)
+
+
+def _scatter_rows_sum_sorted_(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`scatter_rows_sum_`'s CUDA path (any device; n >= 1)."""
+    n = idx.shape[0]
+    order = torch.argsort(idx, stable=True)
+    sidx = idx[order]
+    csum = torch.cumsum(rows[order].to(torch.float64), 0)
+    first = torch.ones(n, dtype=torch.bool, device=idx.device)
+    first[1:] = sidx[1:] != sidx[:-1]
+    last = torch.ones_like(first)
+    last[:-1] = first[1:]
+    run_start = torch.cummax(torch.where(first, torch.arange(n, device=idx.device), 0), 0).values
+    before = torch.cat([csum.new_zeros((1, csum.shape[1])), csum[:-1]])  # the prefix before row j
+    run_sum = csum - before[run_start]
+    out.index_put_((sidx,), torch.where(last.unsqueeze(1), run_sum, 0).to(out.dtype), accumulate=True)
+    return out
 
 class NormKind(Kind):
     """LayerNorm and RMSNorm: per-sample weight grad = sum over positions of G * x̂, bias = sum of

@@ -536,3 +536,26 @@ def test_gpu_no_host_sync() -> None:
         cukit.per_sample_grads(m, ce_sum, x, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scatter_rows_sum_matches_accumulation_and_is_deterministic(device, dtype):
+    from cukit.per_sample import _scatter_rows_sum_sorted_, scatter_rows_sum_
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    g = torch.Generator().manual_seed(0)
+    for n, V, d in ((0, 4, 2), (1, 3, 2), (50, 7, 3), (4000, 13, 8)):
+        idx = torch.randint(0, V, (n,), generator=g).to(device)
+        rows = torch.randn(n, d, generator=g, dtype=torch.float64).to(device)
+        base = torch.randn(V, d, generator=g, dtype=torch.float64).to(device)
+        exp = base.clone().index_put_((idx,), rows, accumulate=True)
+        got = scatter_rows_sum_(base.to(dtype), idx, rows.to(dtype))
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.double(), exp, rtol=tol, atol=tol * max(1.0, n ** 0.5))
+        again = scatter_rows_sum_(base.to(dtype), idx, rows.to(dtype))
+        assert torch.equal(got, again)
+        if n and dtype != torch.float64:  # the sorted prefix-sum path CUDA takes, on any device
+            got = _scatter_rows_sum_sorted_(base.to(dtype), idx, rows.to(dtype))
+            torch.testing.assert_close(got.double(), exp, rtol=tol, atol=tol * max(1.0, n ** 0.5))
