@@ -19,8 +19,13 @@ of cukit with torch's equivalent, measured in the same run on the same shapes:
 | ``linear+gelu`` | ``cukit.linear(x, w, b, "gelu")`` | ``F.gelu(F.linear(x, w, b))`` |
 | ``bias_act`` | ``cukit.bias_act(z, b, "gelu")`` | ``F.gelu(z + b)`` |
 | ``nn.Linear`` | ``cukit.nn.Linear(256, 256)(x)`` | ``nn.Linear(256, 256)(x)`` (same weights) |
+| ``rms_norm`` | ``cukit.rms_norm(z, bias)`` | ``F.rms_norm(z, (256,), bias, 1e-6)`` |
+| ``layer_norm`` | ``cukit.layer_norm(z, None, bias, bias2)`` | ``F.layer_norm(z, (256,), bias, bias2)`` |
+| ``swiglu`` | ``cukit.swiglu(z, u)`` | ``F.silu(z) * u`` |
+| ``rope`` | ``cukit.rotary_embedding(q, k, cos, sin)`` | transformers' ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q) * sin``, and k) |
 
-Shapes: a, x (64, 256); b (256, 256) for matmul; w (256, 256) (out, in); bias (256,); z (64, 256).
+Shapes: a, x (64, 256); b (256, 256) for matmul; w (256, 256) (out, in); bias, bias2 (256,); z, u
+(64, 256); q (1, 4, 16, 64) and k (1, 2, 16, 64) in transformers' layout, cos and sin (1, 16, 64).
 Each op runs in float32 and bfloat16, and the three linear ops also as float32 tensors under
 ``torch.autocast(dtype=torch.bfloat16)`` (entered inside each call, as a training step's forward
 would: autocast's cast cache lives for one region, so the weight cast is paid per call).
@@ -74,7 +79,7 @@ except ImportError:  # imported as benchmarks.bench_host from the repository roo
     from benchmarks import harness
 
 NAME = "bench_host"
-OPS = ("matmul", "linear", "linear+gelu", "bias_act", "nn.Linear")
+OPS = ("matmul", "linear", "linear+gelu", "bias_act", "nn.Linear", "rms_norm", "layer_norm", "swiglu", "rope")
 AUTOCAST_OPS = ("linear", "linear+gelu", "nn.Linear")
 PASSES = ("fwd", "fwd+bwd")
 TARGET_RATIO = 1.5
@@ -86,6 +91,10 @@ CALLS = {
     "linear+gelu": ("F.gelu(F.linear(x, w, b))", 'cukit.linear(x, w, b, "gelu")'),
     "bias_act": ("F.gelu(z + b)", 'cukit.bias_act(z, b, "gelu")'),
     "nn.Linear": ("nn.Linear(x)", "cukit.nn.Linear(x)"),
+    "rms_norm": ("F.rms_norm(z, (n,), w)", "cukit.rms_norm(z, w)"),
+    "layer_norm": ("F.layer_norm(z, (n,), w, b)", "cukit.layer_norm(z, None, w, b)"),
+    "swiglu": ("F.silu(z) * u", "cukit.swiglu(z, u)"),
+    "rope": ("apply_rotary_pos_emb(q, k, cos, sin)", "cukit.rotary_embedding(q, k, cos, sin)"),
 }
 
 
@@ -193,7 +202,10 @@ def build_case(cfg: Config, op: str, dtype: str, pass_: str) -> Case:
         return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dt)
 
     inputs = {"x": rnd(m, k), "w": rnd(n, k, scale=k**-0.5), "bias": rnd(n, scale=0.1), "b": rnd(k, n, scale=k**-0.5),
-              "z": rnd(m, n)}
+              "z": rnd(m, n), "u": rnd(m, n), "bias2": rnd(n, scale=0.1), "q": rnd(1, 4, 16, 64), "k": rnd(1, 2, 16, 64)}
+    angles = torch.arange(16, dtype=torch.float64)[:, None] * (1e-4 ** (torch.arange(32) / 32))[None]
+    emb = torch.cat([angles, angles], -1)[None]  # (1, 16, 64), as transformers' rotary embedding
+    cos, sin = emb.cos().to(device=dev, dtype=dt), emb.sin().to(device=dev, dtype=dt)
     sides: dict[str, dict[str, Any]] = {}
     for side in ("torch", "cukit"):
         sides[side] = {name: t.clone().requires_grad_(grad) for name, t in inputs.items()}
@@ -219,19 +231,29 @@ def build_case(cfg: Config, op: str, dtype: str, pass_: str) -> Case:
                      [t["z"], t["bias"]], [c["z"], c["bias"]]),
         "nn.Linear": (lambda: ref_mod(t["x"]), lambda: ck_mod(c["x"]),
                       [t["x"], ref_mod.weight, ref_mod.bias], [c["x"], ck_mod.weight, ck_mod.bias]),
+        "rms_norm": (lambda: F.rms_norm(t["z"], (n,), t["bias"], 1e-6), lambda: cukit.rms_norm(c["z"], c["bias"]),
+                     [t["z"], t["bias"]], [c["z"], c["bias"]]),
+        "layer_norm": (lambda: F.layer_norm(t["z"], (n,), t["bias"], t["bias2"]),
+                       lambda: cukit.layer_norm(c["z"], None, c["bias"], c["bias2"]),
+                       [t["z"], t["bias"], t["bias2"]], [c["z"], c["bias"], c["bias2"]]),
+        "swiglu": (lambda: F.silu(t["z"]) * t["u"], lambda: cukit.swiglu(c["z"], c["u"]),
+                   [t["z"], t["u"]], [c["z"], c["u"]]),
+        "rope": (lambda: _hf_rope(t["q"], t["k"], cos, sin), lambda: cukit.rotary_embedding(c["q"], c["k"], cos, sin),
+                 [t["q"], t["k"]], [c["q"], c["k"]]),
     }
     torch_fwd, cukit_fwd, torch_leaves, cukit_leaves = fwd[op]
     if autocast:
         torch_fwd, cukit_fwd = _under_autocast(torch_fwd, dev.type), _under_autocast(cukit_fwd, dev.type)
     case = Case(op, dtype, pass_)
     with torch.no_grad():  # under autocast torch's output is bfloat16: cukit's must be too, and dy
-        case.out_dtypes = (torch_fwd().dtype, cukit_fwd().dtype)
+        outs = _outputs(torch_fwd())
+        case.out_dtypes = (outs[0].dtype, _outputs(cukit_fwd())[0].dtype)
     if not grad:
         case.torch_fn, case.cukit_fn = torch_fwd, cukit_fwd
-        case.torch_result = lambda: [torch_fwd()]
-        case.cukit_result = lambda: [cukit_fwd()]
+        case.torch_result = lambda: _outputs(torch_fwd())
+        case.cukit_result = lambda: _outputs(cukit_fwd())
         return case
-    dy = torch.randn(m, n, generator=g).to(device=dev, dtype=case.out_dtypes[0])
+    dy = [torch.randn(o.shape, generator=g).to(device=dev, dtype=case.out_dtypes[0]) for o in outs]
     case.torch_fn = _fwd_bwd(torch_fwd, torch_leaves, dy)
     case.cukit_fn = _fwd_bwd(cukit_fwd, cukit_leaves, dy)
     case.torch_result = _grads_after(case.torch_fn, torch_leaves)
@@ -249,11 +271,30 @@ def _under_autocast(fn: Callable[[], Any], device_type: str) -> Callable[[], Any
     return call
 
 
-def _fwd_bwd(fwd: Callable[[], Any], leaves: list[Any], dy: Any) -> Callable[[], None]:
+def _outputs(y: Any) -> list[Any]:
+    """An op's outputs as a list (rope returns q and k)."""
+    return list(y) if isinstance(y, (tuple, list)) else [y]
+
+
+def _hf_rope(q: Any, k: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+    """transformers' apply_rotary_pos_emb (Llama), unsqueeze_dim=1."""
+    torch = _torch()
+
+    def rotate_half(x: Any) -> Any:
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _fwd_bwd(fwd: Callable[[], Any], leaves: list[Any], dy: list[Any]) -> Callable[[], None]:
+    torch = _torch()
+
     def call() -> None:
         for leaf in leaves:
             leaf.grad = None
-        fwd().backward(dy)
+        torch.autograd.backward(_outputs(fwd()), dy)
 
     return call
 
