@@ -297,6 +297,8 @@ def matrix_inverse_root(
             2 failed (a zero or non-finite matrix; a singular one with eps == 0 on the eigh route).
             Failed matrices hold NaN or inf.
         precision: the GEMMs' precision on CUDA, "ieee" or "tf32" (float32 only; see cukit.matmul).
+            With "tf32" a converged matrix is no longer frozen bitwise: each remaining step's X T
+            (T = I) rounds X's inputs to TF32's 10-bit mantissa again.
 
     Returns:
         X, of A's shape, dtype and library (device, and torch's current stream for CUDA tensors);
