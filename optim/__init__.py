@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from cukit.optim.lamb import LAMB
     from cukit.optim.lion import Lion
     from cukit.optim.sgd import SGD
+    from cukit.optim.shampoo import Shampoo
     from cukit.optim.utils import clip_grad_norm_, multi_tensor_l2norm, nonfinite_flag
 
 # Loaded on first use, so that `cukit check-kernels` (which imports cukit.optim._kernels) and a
@@ -33,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "LAMB": "cukit.optim.lamb",
     "Lion": "cukit.optim.lion",
     "SGD": "cukit.optim.sgd",
+    "Shampoo": "cukit.optim.shampoo",
     "clip_grad_norm_": "cukit.optim.utils",
     "multi_tensor_l2norm": "cukit.optim.utils",
     "nonfinite_flag": "cukit.optim.utils",
@@ -65,6 +67,7 @@ __all__ = [
     "AdamW",
     "Lion",
     "MultiTensorOptimizer",
+    "Shampoo",
     "clip_grad_norm_",
     "functional",
     "multi_tensor_l2norm",

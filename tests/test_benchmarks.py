@@ -28,7 +28,8 @@ torch = pytest.importorskip("torch")
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 RESULTS = BENCH_DIR / "results"
 BENCHES = ("bench_bias_act", "bench_matmul", "bench_optim", "bench_host", "bench_models", "bench_norm", "bench_glu",
-           "bench_rope", "bench_linear_cross_entropy", "bench_linalg", "bench_memory", "bench_per_sample")
+           "bench_rope", "bench_linear_cross_entropy", "bench_linalg", "bench_memory", "bench_per_sample",
+           "bench_shampoo")
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, str]]:
