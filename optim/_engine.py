@@ -148,7 +148,9 @@ def launch_update(
     skip: torch.Tensor | None,
     extra: Sequence[Any] = (),
 ) -> None:
-    """Launch one update kernel (CUKIT_MT_PARAMS + `extra`) on torch's current stream."""
+    """Launch one update kernel (CUKIT_MT_PARAMS + `extra`) on torch's current stream. `hp` and
+    `lr_dev` are float64 device arrays (:func:`hp_tensor`), `lrs` Python floats (sent as double);
+    the kernel rounds all of them to its accumulation type."""
     if table.C == 0:
         return
     module.launch(
@@ -191,6 +193,7 @@ def launch_count(module: KernelModule, steps: torch.Tensor, skip: torch.Tensor |
 
 
 def hp_tensor(values: Sequence[float], device: torch.device | int) -> torch.Tensor:
-    """The hyperparameter array of a launch: a new device allocation each time it changes (a
-    synchronous copy from pageable memory; the previous array stays valid for kernels in flight)."""
-    return torch.tensor(list(values), dtype=torch.float32, device=device)
+    """The hyperparameter array of a launch (float64, the values as given: the kernels round them to
+    their accumulation type): a new device allocation each time it changes (a synchronous copy from
+    pageable memory; the previous array stays valid for kernels in flight)."""
+    return torch.tensor(list(values), dtype=torch.float64, device=device)

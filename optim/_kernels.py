@@ -21,8 +21,9 @@ __all__ = [
     "combo_key",
 ]
 
-# The arguments every update kernel starts with: CUKIT_MT_PARAMS in multi_tensor.cuh.
-MT_PARAMS = "ptr i64 i64 i64 ptr i64 " + "f32 " * 8 + "ptr ptr ptr ptr"
+# The arguments every update kernel starts with: CUKIT_MT_PARAMS in multi_tensor.cuh. The lrs travel
+# as double (the kernel rounds them to its accumulation type), so float64 launches see them exactly.
+MT_PARAMS = "ptr i64 i64 i64 ptr i64 " + "f64 " * 8 + "ptr ptr ptr ptr"
 
 # (param dtype, state dtype, float32 master weights): the storage combinations the kernels are
 # built for. float32 params keep float32 (default) or bfloat16 state; 16-bit params keep their own

@@ -8,13 +8,16 @@ for a core).
 
 The numbers are the kernels': the update runs in float32 (float64 for float64 tensors) from the
 stored values and is rounded once to each storage dtype; tensors already in that dtype are updated
-in place, others through float copies. Hyperparameters are rounded to float32 as the kernels
-receive them, constants derived from them (bias corrections, ``1 - b``, ``1 - lr·wd``) computed in
-float64 and rounded to the tensor's dtype by the op, as the kernels compute them in double and cast.
-The formulas are the kernels', operation by operation, except where one foreach op fuses two
-(``lerp``, ``addcmul``, ``addcdiv``): there the rounding may differ in the last bit (the kernels
-contract into FMAs too). Steps are counted by the caller before the update (as the kernels'
-mt_count_step). Zero-size tensors are skipped.
+in place, others through float copies. Hyperparameters are rounded to the accumulation dtype as the
+kernels round them (``load_shared<A>`` in multi_tensor.cuh): to float32 for every dtype but float64,
+whose updates use them exactly; constants derived from them (bias corrections, ``1 - b``,
+``1 - lr·wd``) are computed in float64 and rounded to the tensor's dtype by the op, as the kernels
+compute them in double and cast. The formulas are the kernels', operation by operation, except
+where one foreach op fuses two (``lerp``, ``addcmul``, ``addcdiv``): there the rounding may differ in
+the last bit (the kernels contract into FMAs too). float64 lists follow torch's single-tensor
+formulas where the order of operations differs (``lerp`` at every weight), so they
+agree with torch.optim's ``foreach=False`` path to float64 rounding. Steps are counted by the caller
+before the update (as the kernels' mt_count_step). Zero-size tensors are skipped.
 
 See also: torch/optim/adam.py ``_multi_tensor_adam``, sgd.py ``_multi_tensor_sgd``,
 adagrad.py ``_multi_tensor_adagrad``.
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,12 +40,24 @@ _FLOAT = struct.Struct("f")
 
 
 def f32(x: float | Tensor) -> float:
-    """A hyperparameter as the kernel sees it: rounded to float32 (inf beyond its range)."""
+    """A hyperparameter as a float32 launch sees it: rounded to float32 (inf beyond its range)."""
     x = float(x)
     try:
         return _FLOAT.unpack(_FLOAT.pack(x))[0]
     except OverflowError:
         return math.copysign(math.inf, x)
+
+
+def _exact(x: float | Tensor) -> float:
+    """A hyperparameter as a float64 launch sees it: unrounded."""
+    return float(x)
+
+
+def _rounding(acc: Acc) -> Callable[[float | Tensor], float]:
+    """How the hyperparameters of a list accumulating in `acc` are rounded: not at all for float64
+    (:func:`_exact`), else to float32 (:func:`f32`). Mixed lists (never the optimizers' plans) take
+    float32."""
+    return _exact if acc is torch.float64 else f32
 
 
 def _acc(params: Sequence[Tensor]) -> Acc:
@@ -128,11 +143,12 @@ def _add_scaled(g: list[Tensor], owned: bool, x: list[Tensor], alpha: float) -> 
     return list(torch._foreach_add(g, x, alpha=alpha))
 
 
-def _ema_(m: list[Tensor], g: list[Tensor], b: float) -> None:
+def _ema_(m: list[Tensor], g: list[Tensor], b: float, acc: Acc) -> None:
     """``m += (1-b)(g - m)``. lerp evaluates this formula for weights below 0.5 but ``g - (g - m) b``
-    above, so larger weights take two ops that keep the kernels' formula."""
+    above, so larger weights take two ops that keep the kernels' formula; float64 lists take lerp at
+    every weight, as torch's single-tensor Adam does."""
     w = 1.0 - b
-    if w < 0.5:
+    if w < 0.5 or acc is torch.float64:
         torch._foreach_lerp_(m, g, w)
     else:
         torch._foreach_add_(m, torch._foreach_sub(g, m), alpha=w)
@@ -164,8 +180,9 @@ def adam(
     )
     if not params:
         return
-    b1, b2, e, wd, lr = f32(beta1), f32(beta2), f32(eps), f32(weight_decay), f32(lr)
     acc = _acc(params)
+    r = _rounding(acc)
+    b1, b2, e, wd, lr = r(beta1), r(beta2), r(eps), r(weight_decay), r(lr)
     w = _weights(params, masters, acc)
     g, owned = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
     if decoupled:
@@ -174,7 +191,7 @@ def adam(
     elif wd != 0.0:
         g, owned = _add_scaled(g, owned, w, wd), True
     m, v = _work(exp_avgs, acc), _work(exp_avg_sqs, acc)
-    _ema_(m, g, b1)
+    _ema_(m, g, b1, acc)
     torch._foreach_mul_(v, b2)
     torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
     vk = v
@@ -211,8 +228,9 @@ def sgd(
     params, grads, momentum_buffers, first, masters = _nonempty([params, grads, momentum_buffers, first, masters])
     if not params:
         return
-    lr, mom, wd = f32(lr), f32(momentum), f32(weight_decay)
     acc = _acc(params)
+    r = _rounding(acc)
+    lr, mom, wd = r(lr), r(momentum), r(weight_decay)
     w = _weights(params, masters, acc)
     g, owned = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
     if wd != 0.0:
@@ -227,7 +245,7 @@ def sgd(
         if old:
             bo, go = ([b[i] for i in old], [g[i] for i in old]) if new else (b, g)
             torch._foreach_mul_(bo, mom)
-            torch._foreach_add_(bo, go, alpha=1.0 - f32(dampening))
+            torch._foreach_add_(bo, go, alpha=1.0 - r(dampening))
         _store(momentum_buffers, b)
         g = _add_scaled(g, owned, b, mom) if nesterov else b
     torch._foreach_add_(w, g, alpha=-lr)
@@ -252,8 +270,9 @@ def lion(
     params, grads, exp_avgs, masters = _nonempty([params, grads, exp_avgs, masters])
     if not params:
         return
-    lr, b1, b2, wd = f32(lr), f32(beta1), f32(beta2), f32(weight_decay)
     acc = _acc(params)
+    r = _rounding(acc)
+    lr, b1, b2, wd = r(lr), r(beta1), r(beta2), r(weight_decay)
     w = _weights(params, masters, acc)
     g, _ = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
     m = _work(exp_avgs, acc)
@@ -288,8 +307,9 @@ def adagrad(
     params, grads, state_sums, steps, masters = _nonempty([params, grads, state_sums, steps, masters])
     if not params:
         return
-    lr, wd, e, decay = f32(lr), f32(weight_decay), f32(eps), f32(lr_decay)
     acc = _acc(params)
+    r = _rounding(acc)
+    lr, wd, e, decay = r(lr), r(weight_decay), r(eps), r(lr_decay)
     w = _weights(params, masters, acc)
     g, owned = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
     if wd != 0.0:
@@ -321,20 +341,22 @@ def lamb(
     gmul: Tensor | None = None,
 ) -> None:
     """LAMB: Adam's ``u = m̂ / (sqrt(v̂) + eps) + wd p``; ``p -= lr · (‖p‖ / ‖u‖) · u`` (ratio 1 if either
-    norm is 0). Norms in the accumulation dtype (the kernels sum squares in float32), the ratio
-    rounded to float32 (the kernels' ratio buffer). Lists of float16, bfloat16, float32 or float64
-    tensors; `steps`: each tensor's step, this one counted."""
+    norm is 0). Norms in the accumulation dtype (the kernels sum squares in float32, float64 for
+    float64 tensors), the ratio rounded to float32 except for float64 tensors (as the kernels' stage
+    2 reads it). Lists of float16, bfloat16, float32 or float64 tensors; `steps`: each tensor's step,
+    this one counted."""
     params, grads, exp_avgs, exp_avg_sqs, steps, masters = _nonempty(
         [params, grads, exp_avgs, exp_avg_sqs, steps, masters]
     )
     if not params:
         return
-    lr, b1, b2, e, wd = f32(lr), f32(beta1), f32(beta2), f32(eps), f32(weight_decay)
     acc = _acc(params)
+    r = _rounding(acc)
+    lr, b1, b2, e, wd = r(lr), r(beta1), r(beta2), r(eps), r(weight_decay)
     w = _weights(params, masters, acc)
     g, _ = _grads(grads, acc, -1.0 if maximize else 1.0, gmul)
     m, v = _work(exp_avgs, acc), _work(exp_avg_sqs, acc)
-    _ema_(m, g, b1)
+    _ema_(m, g, b1, acc)
     torch._foreach_mul_(v, b2)
     torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
     _store(exp_avgs, m)
@@ -353,8 +375,10 @@ def lamb(
         torch._foreach_add_(u, w, alpha=wd)
     wn = torch.stack(torch._foreach_norm(w)).double()
     un = torch.stack(torch._foreach_norm(u)).double()
-    ratio = torch.where((wn > 0) & (un > 0), wn / un, 1.0).float()
-    coef = [lr * r for r in ratio.tolist()]  # lr · ratio, products of two float32 values
+    ratio = torch.where((wn > 0) & (un > 0), wn / un, 1.0)
+    if acc is not torch.float64:
+        ratio = ratio.float()  # lr · ratio below: products of two float32 values
+    coef = [lr * q for q in ratio.tolist()]
     torch._foreach_mul_(u, coef)
     torch._foreach_sub_(w, u)
     _store_weights(params, masters, w)

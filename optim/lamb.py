@@ -28,6 +28,7 @@ class LAMB(MultiTensorOptimizer):
     """
 
     _module = LAMB_KERNELS
+    _no_sharding = "LAMB's trust ratio needs each tensor's global norm"
     _rules: ClassVar[dict[str, chk.Rule]] = {
         "lr": chk.LR,
         "betas": chk.betas(),
@@ -98,8 +99,9 @@ class LAMB(MultiTensorOptimizer):
             plan.scratch["stage2"] = f"lamb_stage2<{types}>"
             plan.scratch["ratio_kernel"] = f"lamb_ratio<{table.L}>"
             dev = plan.params[0].device
-            plan.scratch["partial"] = torch.empty(2 * max(table.C, 1), dtype=torch.float32, device=dev)
-            plan.scratch["ratio"] = torch.empty(max(table.T, 1), dtype=torch.float32, device=dev)
+            # float64 for every dtype: float64 launches keep their norms exact (lamb.cu)
+            plan.scratch["partial"] = torch.empty(2 * max(table.C, 1), dtype=torch.float64, device=dev)
+            plan.scratch["ratio"] = torch.empty(max(table.T, 1), dtype=torch.float64, device=dev)
         partial, ratio = plan.scratch["partial"], plan.scratch["ratio"]
         args = self._common_args(plan, common)
         eng.launch_count(LAMB_KERNELS, plan.steps, common["skip"])

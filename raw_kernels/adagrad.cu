@@ -20,7 +20,7 @@ template <typename P, typename S, bool MASTER> struct AdagradFunctor {
 
   __device__ Ctx context(long long i, int info, const Shared& sh) const {
     const int g = info & kGroupMask;
-    const float* h = sh.hp + g * kHP;
+    const double* h = sh.hp + g * kHP;
     Ctx c;
     // torch: clr = lr / (1 + (step - 1) * lr_decay), in double on the host
     c.clr = static_cast<A>(static_cast<double>(sh.lr[g]) /
@@ -54,7 +54,7 @@ template <typename P, typename S, bool MASTER> struct AdagradFunctor {
 
 template <typename P, typename S, bool MASTER>
 __global__ void __launch_bounds__(512) adagrad_step(CUKIT_MT_PARAMS, const float* __restrict__ steps) {
-  CUKIT_MT_PROLOGUE(sh);
+  CUKIT_MT_PROLOGUE(sh, acc_t<P>);
   using F = AdagradFunctor<P, S, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{steps}, sh);

@@ -23,7 +23,7 @@ template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED> str
 
   __device__ Ctx context(long long i, int info, const Shared& sh) const {
     const int g = info & kGroupMask;
-    const float* h = sh.hp + g * kHP;
+    const double* h = sh.hp + g * kHP;
     Ctx c;
     c.lr = sh.lr[g];
     c.b1 = h[0];
@@ -76,7 +76,7 @@ template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED> str
 
 template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED>
 __global__ void __launch_bounds__(512) adam_step(CUKIT_MT_PARAMS, const float* __restrict__ steps) {
-  CUKIT_MT_PROLOGUE(sh);
+  CUKIT_MT_PROLOGUE(sh, acc_t<P>);
   using F = AdamFunctor<P, S, AMSGRAD, MASTER, DECOUPLED>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{steps}, sh);

@@ -2,8 +2,10 @@
 // (the engine: cukit/multi_tensor.cuh), in three launches with no host sync:
 //   stage 1:  g = sign * grad * gmul;  m += (1 - b1)(g - m);  v = b2 v + (1 - b2) g^2
 //             u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * p        (bc = 1 - b^t, or 1 without
-//             bias correction); per chunk: sum p^2 and sum u^2 -> partial[c]
+//             bias correction); per chunk: sum p^2 and sum u^2 (in the accumulation type) -> partial[c]
 //   ratio:    per tensor: r = ||p|| / ||u|| when both are > 0, else 1 (sums its chunks' partials)
+// partial and ratio are double for every launch: float launches store their float sums exactly and
+// read the ratio rounded to float, float64 launches keep float64 norms end to end.
 //   stage 2:  u recomputed from the stored m, v and the unchanged p;  p -= lr * r * u
 // Recomputing u costs the same traffic as storing it (7 reads + 3 writes per element either way)
 // and needs no scratch buffer. Host side and reference: optim/lamb.py, optim/_reference.py.
@@ -19,10 +21,10 @@ template <typename P, typename S, bool MASTER, int STAGE> struct LambFunctor {
   static constexpr int kMaster = 4;
   using A = acc_t<P>;
   const float* steps;
-  float* partial;       // stage 1: [C][2]
-  const float* ratio;   // stage 2: [T]
-  float* scratch;       // shared, 32 floats
-  mutable float acc_w = 0.f, acc_u = 0.f;
+  double* partial;      // stage 1: [C][2]
+  const double* ratio;  // stage 2: [T]
+  A* scratch;           // shared, 32 values
+  mutable A acc_w = A(0), acc_u = A(0);
 
   struct Ctx {
     A lr, b1, b2, eps, wd, sign, gmul, bc1, bc2, r;
@@ -30,7 +32,7 @@ template <typename P, typename S, bool MASTER, int STAGE> struct LambFunctor {
 
   __device__ Ctx context(long long i, int info, const Shared& sh) const {
     const int g = info & kGroupMask;
-    const float* h = sh.hp + g * kHP;
+    const double* h = sh.hp + g * kHP;
     Ctx c;
     c.lr = sh.lr[g];
     c.b1 = h[0];
@@ -40,12 +42,12 @@ template <typename P, typename S, bool MASTER, int STAGE> struct LambFunctor {
     c.sign = h[4];
     c.gmul = sh.gmul;
     const double t = steps[i];
-    const bool bias_correction = h[5] != 0.f;
+    const bool bias_correction = h[5] != 0.0;
     c.bc1 = bias_correction ? static_cast<A>(1.0 - pow(static_cast<double>(h[0]), t)) : A(1);
     c.bc2 = bias_correction ? static_cast<A>(1.0 - pow(static_cast<double>(h[1]), t)) : A(1);
     c.r = STAGE == 2 ? static_cast<A>(ratio[i]) : A(1);
-    acc_w = 0.f;
-    acc_u = 0.f;
+    acc_w = A(0);
+    acc_u = A(0);
     return c;
   }
 
@@ -68,8 +70,8 @@ template <typename P, typename S, bool MASTER, int STAGE> struct LambFunctor {
       const A mk = to_acc<A>(from_acc<S>(m[k])), vk = to_acc<A>(from_acc<S>(v[k]));
       const A u = (mk / c.bc1) / (sqrt(vk / c.bc2) + c.eps) + c.wd * w[k];
       if constexpr (STAGE == 1) {
-        acc_w += static_cast<float>(w[k] * w[k]);
-        acc_u += static_cast<float>(u * u);
+        acc_w += w[k] * w[k];
+        acc_u += u * u;
       } else {
         w[k] -= c.lr * c.r * u;
       }
@@ -85,8 +87,8 @@ template <typename P, typename S, bool MASTER, int STAGE> struct LambFunctor {
 
   __device__ __forceinline__ void end_chunk(long long chunk, long long, const Ctx&) const {
     if constexpr (STAGE == 1) {
-      const float sw = block_sum(acc_w, scratch);
-      const float su = block_sum(acc_u, scratch);
+      const A sw = block_sum(acc_w, scratch);
+      const A su = block_sum(acc_u, scratch);
       if (threadIdx.x == 0) {
         partial[2 * chunk] = sw;
         partial[2 * chunk + 1] = su;
@@ -97,9 +99,9 @@ template <typename P, typename S, bool MASTER, int STAGE> struct LambFunctor {
 
 template <typename P, typename S, bool MASTER>
 __global__ void __launch_bounds__(512) lamb_stage1(CUKIT_MT_PARAMS, const float* __restrict__ steps,
-                                                   float* __restrict__ partial) {
-  CUKIT_MT_PROLOGUE(sh);
-  __shared__ float scratch[32];
+                                                   double* __restrict__ partial) {
+  CUKIT_MT_PROLOGUE(sh, acc_t<P>);
+  __shared__ acc_t<P> scratch[32];
   using F = LambFunctor<P, S, MASTER, 1>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{steps, partial, nullptr, scratch}, sh);
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(512) lamb_stage1(CUKIT_MT_PARAMS, const float*
 // One warp per tensor: sums the tensor's chunk partials in chunk order, writes its trust ratio.
 template <int L>
 __global__ void lamb_ratio(const long long* __restrict__ table, long long T, long long C,
-                           const float* __restrict__ partial, float* __restrict__ ratio, const float* __restrict__ skip) {
+                           const double* __restrict__ partial, double* __restrict__ ratio, const float* __restrict__ skip) {
   if (skip != nullptr && *skip != 0.f) return;
   const Table<L> tab{table, T, C, 0};
   const int lane = threadIdx.x & 31;
@@ -125,14 +127,14 @@ __global__ void lamb_ratio(const long long* __restrict__ table, long long T, lon
       sw += __shfl_xor_sync(0xffffffffu, sw, o);
       su += __shfl_xor_sync(0xffffffffu, su, o);
     }
-    if (lane == 0) ratio[i] = (sw > 0.0 && su > 0.0) ? static_cast<float>(sqrt(sw) / sqrt(su)) : 1.f;
+    if (lane == 0) ratio[i] = (sw > 0.0 && su > 0.0) ? sqrt(sw) / sqrt(su) : 1.0;
   }
 }
 
 template <typename P, typename S, bool MASTER>
 __global__ void __launch_bounds__(512) lamb_stage2(CUKIT_MT_PARAMS, const float* __restrict__ steps,
-                                                   const float* __restrict__ ratio) {
-  CUKIT_MT_PROLOGUE(sh);
+                                                   const double* __restrict__ ratio) {
+  CUKIT_MT_PROLOGUE(sh, acc_t<P>);
   using F = LambFunctor<P, S, MASTER, 2>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{steps, nullptr, ratio, nullptr}, sh);

@@ -20,7 +20,7 @@ template <typename P, typename S, bool MASTER> struct LionFunctor {
 
   __device__ Ctx context(long long, int info, const Shared& sh) const {
     const int g = info & kGroupMask;
-    const float* h = sh.hp + g * kHP;
+    const double* h = sh.hp + g * kHP;
     Ctx c;
     c.lr = sh.lr[g];
     c.b1 = h[0];
@@ -56,7 +56,7 @@ template <typename P, typename S, bool MASTER> struct LionFunctor {
 
 template <typename P, typename S, bool MASTER>
 __global__ void __launch_bounds__(512) lion_step(CUKIT_MT_PARAMS) {
-  CUKIT_MT_PROLOGUE(sh);
+  CUKIT_MT_PROLOGUE(sh, acc_t<P>);
   using F = LionFunctor<P, S, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{}, sh);

@@ -26,14 +26,14 @@ template <typename P, typename S, bool MOMENTUM, bool MASTER> struct SgdFunctor 
 
   __device__ Ctx context(long long i, int info, const Shared& sh) const {
     const int g = info & kGroupMask;
-    const float* h = sh.hp + g * kHP;
+    const double* h = sh.hp + g * kHP;
     Ctx c;
     c.lr = sh.lr[g];
     c.momentum = h[0];
     c.damp1 = A(1) - A(h[1]);
     c.wd = h[2];
     c.sign = h[3];
-    c.nesterov = h[4] != 0.f;
+    c.nesterov = h[4] != 0.0;
     c.gmul = sh.gmul;
     c.init = counts != nullptr && counts[i] == 1.f;
     return c;
@@ -66,7 +66,7 @@ template <typename P, typename S, bool MOMENTUM, bool MASTER> struct SgdFunctor 
 
 template <typename P, typename S, bool MOMENTUM, bool MASTER>
 __global__ void __launch_bounds__(512) sgd_step(CUKIT_MT_PARAMS, const float* __restrict__ counts) {
-  CUKIT_MT_PROLOGUE(sh);
+  CUKIT_MT_PROLOGUE(sh, acc_t<P>);
   using F = SgdFunctor<P, S, MOMENTUM, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{counts}, sh);

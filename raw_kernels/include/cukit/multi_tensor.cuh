@@ -13,10 +13,12 @@
 //   [(L+3)*T+1, ... + C)  work[c]           (t << 32) | (chunk index within t)
 // Size-0 tensors have no chunk, so the kernels never see them.
 //
-// Per launch, besides the table: up to kMaxGroups param groups, each with kHP float
-// hyperparameters in a device array (written when they change, which is rarely) and its learning
-// rate passed by value (the one a scheduler changes every step: by value there is no host-to-device
-// copy to race with the previous step's kernel), or read from the device (capturable: lr tensors).
+// Per launch, besides the table: up to kMaxGroups param groups, each with kHP hyperparameters in a
+// device array (written when they change, which is rarely) and its learning rate passed by value
+// (the one a scheduler changes every step: by value there is no host-to-device copy to race with
+// the previous step's kernel), or read from the device (capturable: lr tensors). All of them travel
+// as double, the values the user gave, and are rounded once to the launch's accumulation type
+// (load_shared<A>): float launches see float32 hyperparameters, float64 launches the exact ones.
 #pragma once
 #include <cukit/dtypes.cuh>
 #include <cukit/vec.cuh>
@@ -63,48 +65,58 @@ template <int L> struct Ptrs {
   template <typename T> __device__ __forceinline__ T* at(int list) const { return static_cast<T*>(p[list]); }
 };
 
-// What every update reads besides the table, staged once per block in shared memory.
+// What every update reads besides the table, staged once per block in shared memory. Each value is
+// already rounded to the launch's accumulation type A (exact in double), so a functor reads it as A,
+// or as double where it derives a constant in double (bias corrections, 1 - lr wd).
 struct Shared {
-  float lr[kMaxGroups];
-  float hp[kMaxGroups * kHP];
-  float gmul;  // multiplies every gradient: 1 / grad_scale (GradScaler) * clip coefficient
+  double lr[kMaxGroups];
+  double hp[kMaxGroups * kHP];
+  double gmul;  // multiplies every gradient: 1 / grad_scale (GradScaler) * clip coefficient
 };
 
-// The parameters every update kernel starts with (signature "ptr i64 i64 i64 ptr i64 f32 x 8 ptr
-// ptr ptr ptr" in optim/_kernels.py: MT_PARAMS).
+// The parameters every update kernel starts with (signature "ptr i64 i64 i64 ptr i64 f64 x 8 ptr
+// ptr ptr ptr" in optim/_kernels.py: MT_PARAMS). hp and lr_dev are float64 device arrays.
 #define CUKIT_MT_PARAMS                                                                               \
   const long long *__restrict__ table, long long T, long long C, long long chunk,                     \
-      const float *__restrict__ hp, long long groups, float lr0, float lr1, float lr2, float lr3,      \
-      float lr4, float lr5, float lr6, float lr7, const float *__restrict__ lr_dev,                    \
+      const double *__restrict__ hp, long long groups, double lr0, double lr1, double lr2, double lr3, \
+      double lr4, double lr5, double lr6, double lr7, const double *__restrict__ lr_dev,               \
       const float *__restrict__ grad_div, const float *__restrict__ grad_mul, const float *__restrict__ skip
+
+// A hyperparameter as a launch accumulating in A sees it: rounded to A (float32 for every launch but
+// float64's, which keeps the value exact), held in a double.
+template <typename A> __device__ __forceinline__ double hp_as(double x) {
+  return static_cast<double>(static_cast<A>(x));
+}
 
 // Fills `sh` (every thread must call it; it ends with a barrier). grad_div, grad_mul, lr_dev and
 // skip may be null. Returns false when *skip != 0: the step is skipped (a non-finite gradient
 // under GradScaler or in the clipping norm); the value is the same for every block, so all of
 // them return together and nothing is written.
-__device__ __forceinline__ bool load_shared(Shared& sh, const float* __restrict__ hp, long long groups,
-                                            const float (&lrs)[kMaxGroups], const float* __restrict__ lr_dev,
+template <typename A>
+__device__ __forceinline__ bool load_shared(Shared& sh, const double* __restrict__ hp, long long groups,
+                                            const double (&lrs)[kMaxGroups], const double* __restrict__ lr_dev,
                                             const float* __restrict__ grad_div,
                                             const float* __restrict__ grad_mul, const float* __restrict__ skip) {
   if (skip != nullptr && *skip != 0.f) return false;
   const int i = threadIdx.x;
-  if (i < kMaxGroups * kHP) sh.hp[i] = i < groups * kHP ? hp[i] : 0.f;
-  if (i < kMaxGroups) sh.lr[i] = lr_dev != nullptr ? (i < groups ? lr_dev[i] : 0.f) : lrs[i];
+  if (i < kMaxGroups * kHP) sh.hp[i] = i < groups * kHP ? hp_as<A>(hp[i]) : 0.0;
+  if (i < kMaxGroups) sh.lr[i] = hp_as<A>(lr_dev != nullptr ? (i < groups ? lr_dev[i] : 0.0) : lrs[i]);
   if (i == 0) {
-    float m = 1.f;
-    if (grad_div != nullptr) m = 1.f / *grad_div;  // GradScaler scales are powers of two: exact
-    if (grad_mul != nullptr) m *= *grad_mul;
+    A m = A(1);
+    if (grad_div != nullptr) m = A(1) / static_cast<A>(*grad_div);  // GradScaler scales are powers of two: exact
+    if (grad_mul != nullptr) m *= static_cast<A>(*grad_mul);
     sh.gmul = m;
   }
   __syncthreads();
   return true;
 }
 
-#define CUKIT_MT_PROLOGUE(sh)                                                                         \
+// A: the launch's accumulation type (acc_t<P>).
+#define CUKIT_MT_PROLOGUE(sh, A)                                                                      \
   __shared__ ::cukit::mt::Shared sh;                                                                   \
   {                                                                                                    \
-    const float lrs_[::cukit::mt::kMaxGroups] = {lr0, lr1, lr2, lr3, lr4, lr5, lr6, lr7};              \
-    if (!::cukit::mt::load_shared(sh, hp, groups, lrs_, lr_dev, grad_div, grad_mul, skip)) return;     \
+    const double lrs_[::cukit::mt::kMaxGroups] = {lr0, lr1, lr2, lr3, lr4, lr5, lr6, lr7};             \
+    if (!::cukit::mt::load_shared<A>(sh, hp, groups, lrs_, lr_dev, grad_div, grad_mul, skip)) return;  \
   }
 
 // The engine: every block walks the work list with a grid stride; for each (tensor, chunk) it
@@ -151,9 +163,9 @@ template <typename T, int N, typename A> __device__ __forceinline__ void store(T
   store_vec<T, N>(base + off, v);
 }
 
-// Sum of a float over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
-// result. `scratch` holds 32 floats. Fixed order: the result does not depend on timing.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `scratch` holds 32 values. Fixed order: the result does not depend on timing.
+template <typename V> __device__ __forceinline__ V block_sum(V v, V* scratch) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -161,7 +173,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   const int nw = blockDim.x >> 5;
-  v = lane < nw ? scratch[lane] : 0.f;
+  v = lane < nw ? scratch[lane] : V(0);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
