@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 from cukit.optim import _checks as chk
+from cukit.optim import _distributed
 from cukit.optim import _engine as eng
 from cukit.optim._kernels import COMBOS
 
@@ -77,6 +78,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler passes grad_scale / found_inf
     _module: ClassVar[KernelModule]
     _has_step: ClassVar[bool] = True
+    # why DTensor (sharded) parameters cannot hold for this optimizer, or None (elementwise updates)
+    _no_sharding: ClassVar[str | None] = None
     # how each hyperparameter (constructor argument or param-group key) is checked: optim/_checks.py
     _rules: ClassVar[dict[str, chk.Rule]] = {}
 
@@ -112,6 +115,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"params must be tensors; got {type(p).__qualname__}")
             if p.is_sparse:
                 raise TypeError("cukit.optim does not support sparse parameters")
+        self._sharded = _distributed.check_params(self)  # DTensor params: steps on local shards
         if self._flat:
             self._make_flat_grads()
 
@@ -155,7 +159,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
-        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)  # DTensor p: sharded
 
     def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -182,6 +186,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             raise
         if hasattr(self, "_all"):
             self._all = [p for g in self.param_groups for p in g["params"]]
+            self._sharded = _distributed.check_params(self)
             self._invalidate()
             if self._flat:
                 self._make_flat_grads()
@@ -253,6 +258,12 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             if self._key is not None:
                 return bool(self._plans)
         ps = self._all
+        if self._sharded:  # a DTensor's data_ptr() is 0: its local shard's pointer is the key
+            key = _distributed.pointer_key(ps)
+            if key != self._key:
+                self._build()
+                self._key = key
+            return bool(self._plans)
         # Every pointer, params' too (module.to() moves a param's storage in place: p.data = ...).
         # ~160 ns per tensor on a CPU, bound by touching three objects per tensor: p.grad ~65 ns,
         # each data_ptr() ~45 ns (10,000 tensors, 2-core dev box). Two map()s over the C getter
@@ -372,10 +383,12 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             for p in params:
                 if "step" not in self.state[p]:
                     self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if self._sharded:  # the lists become local shards; `params` (DTensors) still key the state
+            _distributed.localize_plan(self, plan, kernels)
         if not kernels:
             return plan
         local = {gi: i for i, gi in enumerate(gids)}
-        lists = [params, grads, *states.values(), *([masters] if masters is not None else [])]
+        lists = [plan.params, plan.grads, *plan.states.values(), *([plan.masters] if masters is not None else [])]
         plan.table = eng.TensorTable(lists, [local[gi] for gi, _ in members])  # type: ignore[arg-type]
         device = params[0].device
         if self._has_step:
@@ -405,7 +418,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if any(isinstance(v, Tensor) for v in lrs):
             dev = plan.params[0].device
             return eng.no_lr(), torch.stack(
-                [torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(()) for v in lrs]
+                [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(()) for v in lrs]
             )
         return [float(v) for v in lrs] + [0.0] * (eng.MAX_GROUPS - len(lrs)), None
 
@@ -465,6 +478,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         in float64 on the first device, and the coefficient copied to the others."""
         from cukit.optim import utils
 
+        if self._sharded:  # the norm over every rank's shards: one all_reduce
+            return _distributed.clip_coefficients(self, grad_scale, sumsq=utils.local_sumsq)
         if self._norm is None:
             by: dict[int, list[Tensor]] = {}
             for plan in self._plans:
@@ -495,7 +510,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             from cukit.optim import utils
 
             grads = [g for plan in self._plans for g in plan.grads]
-            norm = utils.reference_l2norm(grads)
+            norm = (_distributed.optimizer_norm(self, sumsq=utils.local_sumsq) if self._sharded
+                    else utils.reference_l2norm(grads))
             if grad_scale is not None:
                 norm = norm / grad_scale.to(norm.dtype)
             coef = torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0)
@@ -503,7 +519,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         for plan in self._plans:
             steps: list[float] = []
             if self._has_step:
-                counts = [self.state[p]["step"] for p in plan.params]
+                counts = [self.state[p]["step"] for p in plan.scratch.get("keys", plan.params)]
                 torch._foreach_add_(counts, 1.0)
                 steps = _values(counts)
             first = plan.scratch.get("first")

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from cukit.optim import _distributed
 from cukit.optim import _engine as eng
 from cukit.optim._kernels import L2NORM
 
@@ -269,22 +270,29 @@ def nonfinite_flag(tensors: Iterable[Any]) -> Tensor:
     """A float32 0-dim device tensor: 1.0 if any element of any tensor is inf or NaN, else 0.0,
     computed without a host sync (read it when convenient, or feed it to a step as ``found_inf``).
 
-    CuPy inputs: computed on CuPy's current stream and returned as a CuPy array.
+    CuPy inputs: computed on CuPy's current stream and returned as a CuPy array. DTensors
+    (FSDP2's sharded gradients): the flag of every rank's shards, the same on every rank (one
+    all_reduce(MAX) of the local flags; a plain float32 tensor).
 
     See also: ``torch._amp_foreach_non_finite_check_and_unscale_``.
     """
     inputs = [tensors] if isinstance(tensors, Tensor) or is_cupy(tensors) else list(tensors)
     ts = _as_tensors(inputs, "tensors")
     with on_cupy_stream(inputs):
-        if not ts:
-            flag = torch.zeros(())
-        elif not _kernels_apply(ts):  # CPU, several devices or no CuPy: still no host sync
-            dev = ts[0].device
-            bad = [(~torch.isfinite(t)).any().to(dev, non_blocking=dev.type == "cuda") for t in ts]
-            flag = torch.stack(bad).any().to(torch.float32)
-        else:
-            flag = run_norm(prepare_norm(ts))["flag"].clone()
-        return _like_inputs(flag, inputs)
+        if _distributed.any_dtensor(ts):
+            flag = _local_flag([_distributed.local(t) for t in ts])
+            return _distributed.all_reduce_max(flag, ts)
+        return _like_inputs(_local_flag(ts), inputs)
+
+
+def _local_flag(ts: list[Tensor]) -> Tensor:
+    if not ts:
+        return torch.zeros(())
+    if not _kernels_apply(ts):  # CPU, several devices or no CuPy: still no host sync
+        dev = ts[0].device
+        bad = [(~torch.isfinite(t)).any().to(dev, non_blocking=dev.type == "cuda") for t in ts]
+        return torch.stack(bad).any().to(torch.float32)
+    return run_norm(prepare_norm(ts))["flag"].clone()
 
 
 def clip_grad_norm_(
@@ -299,22 +307,36 @@ def clip_grad_norm_(
 
     For the 2-norm of CUDA gradients: two launches per dtype plus one, no host sync (unless
     ``error_if_nonfinite``, which must read the norm, as torch's does). Other norm types and CPU
-    gradients call torch's.
+    gradients call torch's, except the 2-norm of DTensor gradients (FSDP2): the norm of every
+    rank's shards from one all_reduce of the local sums of squares, no host sync, each local
+    shard scaled in place (kernels on CUDA), returned as torch returns it (a replicated DTensor).
 
     See also: ``torch.nn.utils.clip_grad_norm_``.
     """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
+    if float(norm_type) == 2.0 and _distributed.any_dtensor(grads):
+        return _clip_sharded(grads, float(max_norm), error_if_nonfinite)
     if float(norm_type) != 2.0 or not _kernels_apply(grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     prep = run_norm(prepare_norm(grads), max_norm=float(max_norm))
     norm = prep["norm"].clone()
+    _check_finite(norm, error_if_nonfinite, norm_type)
+    _scale(prep, prep["coef"])
+    return norm
+
+
+def _check_finite(norm: Tensor, error_if_nonfinite: bool, norm_type: float) -> None:
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
             "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`"
         )
+
+
+def _scale(prep: dict[str, Any], coef: Tensor) -> None:
+    """Multiply the tensors of a prepared norm by `coef` (a float32 0-dim device tensor) in place."""
     for dtype, _, table, _ in prep["tables"]:
         if table.C == 0:
             continue
@@ -322,8 +344,41 @@ def clip_grad_norm_(
             f"mt_scale<{DTYPES[str(dtype).removeprefix('torch.')].ctype}>",
             (table.grid,),
             (table.block,),
-            (table.table, table.T, table.C, table.chunk, prep["coef"]),
+            (table.table, table.T, table.C, table.chunk, coef),
             device=prep["device"],
             stream=current_stream(prep["device"], True),
         )
-    return norm
+
+
+def _clip_sharded(grads: list[Tensor], max_norm: float, error_if_nonfinite: bool) -> Tensor:
+    """clip_grad_norm_'s 2-norm over DTensor gradients (see its docstring)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    norm = _distributed.global_norm(grads, sumsq=local_sumsq)
+    _check_finite(norm, error_if_nonfinite, 2.0)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    locals_ = [_distributed.local(g) for g in grads]
+    if _kernels_apply(locals_):
+        _scale(prepare_norm(locals_), coef)
+    else:
+        nonempty = [t for t in locals_ if t.numel()]
+        if nonempty:
+            torch._foreach_mul_(nonempty, coef.to(nonempty[0].device))
+    mesh = next(g.device_mesh for g in grads if isinstance(g, DTensor))
+    return DTensor.from_local(norm, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def local_sumsq(grads: list[Tensor], grad_div: Tensor | None, device: torch.device) -> Tensor:
+    """``sum ||g / grad_div||²`` over local tensors, float64 0-dim on `device`: the norm kernels
+    on one CUDA device (no host sync), else float64 ``_foreach_norm``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    if _kernels_apply(grads):
+        norm = run_norm(prepare_norm(grads), grad_div=grad_div)["norm"]
+        sq = norm.double().square()
+    else:
+        per = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        sq = torch.stack([n.to(device) for n in per]).square().sum()
+        if grad_div is not None:
+            sq = sq / grad_div.to(device=device, dtype=torch.float64).square()
+    return sq.to(device)
