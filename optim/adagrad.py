@@ -89,7 +89,9 @@ class Adagrad(MultiTensorOptimizer):
     def _new_state(
         self, p: torch.Tensor, key: str, group: dict[str, Any], dtype: torch.dtype
     ) -> torch.Tensor:
-        return torch.full(p.shape, float(group["initial_accumulator_value"]), dtype=dtype, device=p.device)
+        # full_like: a DTensor parameter (FSDP2) gets a sharded state, never a global-size one
+        return torch.full_like(p, float(group["initial_accumulator_value"]), dtype=dtype,
+                               memory_format=torch.contiguous_format)
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("sum",)
