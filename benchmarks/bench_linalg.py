@@ -322,12 +322,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_out_argument(p)
-    p.add_argument("--quick", action="store_true", help="three cases, fewer repeats")
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
+    harness.add_run_arguments(p, "three cases, fewer repeats")
     p.add_argument("--iters", type=int, default=None, help="Newton iterations of the newton rows (default 15)")
-    p.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
-    p.add_argument("--seed", type=int, default=0, help="input seed")
     return p.parse_args(argv)
 
 

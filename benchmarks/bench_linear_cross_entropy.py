@@ -338,13 +338,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_out_argument(p)
-    p.add_argument("--quick", action="store_true", help="the headline shape only, fewer repeats")
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
-    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
-    p.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    harness.add_run_arguments(p, "the headline shape only, fewer repeats", no_compile=True)
     p.add_argument("--shapes", default=None, help="T,H,V;T,H,V;... instead of the default shapes")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
-    p.add_argument("--seed", type=int, default=0, help="input seed")
     return p.parse_args(argv)
 
 

@@ -411,14 +411,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_out_argument(p)
-    p.add_argument("--quick", action="store_true", help="the 6-layer Llama, one chunk size, fewer repeats")
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
+    harness.add_run_arguments(p, "the 6-layer Llama, one chunk size, fewer repeats")
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--compile", action="store_true", help="also the model rows under torch.compile")
     p.add_argument("--chunk-sizes", default=None, help="comma-separated chunk sizes for forward_with_chunking")
-    p.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
-    p.add_argument("--seed", type=int, default=0, help="weights and data seed")
     return p.parse_args(argv)
 
 

@@ -444,12 +444,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_out_argument(p)
-    p.add_argument("--quick", action="store_true", help="two shapes, fewer repeats (< 90 s)")
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
-    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
-    p.add_argument("--budget-s", type=float, default=None, help="skip cases that start after this many seconds")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
-    p.add_argument("--seed", type=int, default=0, help="torch random seed")
+    harness.add_run_arguments(p, "two shapes, fewer repeats (< 90 s)", no_compile=True)
     return p.parse_args(argv)
 
 

@@ -239,14 +239,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_out_argument(p)
-    p.add_argument("--quick", action="store_true", help="fewer repeats")
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: batch 8, perf_counter timing")
-    p.add_argument("--budget-s", type=float, default=None, help="skip cases that would start after this many seconds")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
+    harness.add_run_arguments(p, "fewer repeats")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated parameter dtypes")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated models: mlp, cnn, seq")
     p.add_argument("--batch", type=int, default=256, help="batch size")
-    p.add_argument("--seed", type=int, default=0, help="seed of the noise generator")
     return p.parse_args(argv)
 
 

@@ -352,14 +352,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_out_argument(p)
-    p.add_argument("--quick", action="store_true", help="4 layers, fewer repeats and training steps")
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
+    harness.add_run_arguments(p, "4 layers, fewer repeats and training steps")
     p.add_argument("--max-dim", type=int, default=None, help="max_preconditioner_dim (default 1024)")
     p.add_argument("--frequency", type=int, default=None, help="precondition_frequency of the amortised row")
     p.add_argument("--train-steps", type=int, default=None, help="training steps per optimizer")
-    p.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
-    p.add_argument("--seed", type=int, default=0, help="input seed")
     return p.parse_args(argv)
 
 

@@ -700,6 +700,19 @@ def add_out_argument(parser: ArgumentParser) -> None:
     )
 
 
+def add_run_arguments(parser: ArgumentParser, quick: str, *, no_compile: bool = False) -> None:
+    """The options the kernel benchmarks share: ``--quick`` (`quick` says what it keeps),
+    ``--dry-run``, ``--no-compile`` (when the bench has a torch.compile baseline), ``--budget-s``,
+    ``--device`` and ``--seed``."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--dry-run", action="store_true", help="CPU smoke mode: tiny shapes, perf_counter timing")
+    if no_compile:
+        parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    parser.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
+
+
 def _within(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
