@@ -417,6 +417,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         lrs = [self.param_groups[gi]["lr"] for gi in plan.gids]
         if any(isinstance(v, Tensor) for v in lrs):
             dev = plan.params[0].device
+            if len(lrs) == 1:  # no stack: a float64 lr tensor on the device is read in place
+                return eng.no_lr(), torch.as_tensor(lrs[0], dtype=torch.float64, device=dev).reshape(1)
             return eng.no_lr(), torch.stack(
                 [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(()) for v in lrs]
             )
