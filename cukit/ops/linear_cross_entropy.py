@@ -1004,11 +1004,7 @@ def run_forward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: Any
         partial = _empty((-(-plan.tc // _COLSUM_ROWS), V), acc, x) if need_db else None
         for i, r0 in enumerate(range(0, T, plan.tc)):
             n = min(plan.tc, T - r0)
-            logits = ws[:n, :V]
-            if H:
-                _matmul.gemm(x[r0:r0 + n], w.T, logits)
-            else:
-                _fill_zero(logits)
+            _logits(x[r0:r0 + n], w, ws[:n, :V])
             steps.rows(MODE_GRAD if grads else MODE_LOSS, ws, bias, target, cw, stats, None, one, None, lse,
                        row_loss, r0, n, stream)
             if not grads:
@@ -1040,15 +1036,19 @@ def _dw_by_vocab_blocks(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, tar
     gview = _view_as(ws, plan.dtype) if plan.narrow else ws  # the gradient written over its logits
     for c0 in range(0, V, vb):
         nb = min(vb, V - c0)
-        logits = ws[:, :nb]
-        if H:
-            _matmul.gemm(x, w[c0:c0 + nb].T, logits)
-        else:
-            _fill_zero(logits)
+        _logits(x, w[c0:c0 + nb], ws[:, :nb])
         steps.rows(MODE_REGRAD, ws, bias, target, cw, stats, row_grad, grad0, lse_grad, lse, None, 0, T, stream,
                    col0=c0, cols=nb, ld=ldb)
         if H:
             _matmul.gemm(gview[:, :nb].T, x, dw[c0:c0 + nb])
+
+
+def _logits(x: Any, w: Any, out: Any) -> None:
+    """out = x @ w.T (raw logits into a workspace slice; zeros when H == 0)."""
+    if x.shape[1]:
+        _matmul.gemm(x, w.T, out)
+    else:
+        _fill_zero(out)
 
 
 def _ones(dtype: str, like: Any) -> Any:
@@ -1106,11 +1106,7 @@ def run_backward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: An
         row_grad, grad0 = (grad_loss, None) if none else (None, grad_loss)
         for i, r0 in enumerate(range(0, T, plan.tc)):
             n = min(plan.tc, T - r0)
-            logits = ws[:n, :V]
-            if H:
-                _matmul.gemm(x[r0:r0 + n], w.T, logits)
-            else:
-                _fill_zero(logits)
+            _logits(x[r0:r0 + n], w, ws[:n, :V])
             steps.rows(MODE_REGRAD, ws, bias, target, cw, stats, row_grad, grad0, grad_lse, lse, None, r0, n,
                        stream)
             g = gview[:n, :V]
