@@ -282,10 +282,8 @@ _FMT = {"error": lambda v: "" if v is None else str(v)[:60]}
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     """The headline, printed last (the device tool returns only the end of the output)."""
     print()
-    print("=" * 100)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run: numbers mean nothing)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | activation {ACTIVATION}; float32 "
-          "without TF32 on both sides")
+    harness.print_summary_head(NAME, env, b.elapsed(), f"activation {ACTIVATION}; float32 without TF32 on both sides",
+                               cpu="CPU (dry run: numbers mean nothing)")
     harness.print_table(b.rows, COLUMNS, title="\nconv2d + bias + gelu (ratios: torch eager / this, > 1: faster):",
                         formatters=_FMT)
     demo = [r for r in b.rows if r.get("shape", "").startswith("demo") and r["impl"] == "cukit"

@@ -282,9 +282,7 @@ def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     print()
-    print("=" * 110)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | copy {harness.format_value(b.copy_bps / 1e9)} GB/s")
+    harness.print_summary_head(NAME, env, b.elapsed(), f"copy {harness.format_value(b.copy_bps / 1e9)} GB/s")
     harness.print_table([r for r in b.rows if r.get("op") in ("fwd", "bwd")], COLUMNS,
                         title="\nact(gate) * up, forward and backward:", formatters=_FMT)
     harness.print_table([r for r in b.rows if r.get("op") == "host"], HOST_COLUMNS, title="\nhost cost:",

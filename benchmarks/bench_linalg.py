@@ -302,10 +302,7 @@ def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     print()
-    print("=" * 110)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | p = {P}, float32, Newton iterations "
-          f"{b.cfg.iters}")
+    harness.print_summary_head(NAME, env, b.elapsed(), f"p = {P}, float32, Newton iterations {b.cfg.iters}")
     harness.print_table(b.rows, COLUMNS, title="\nbatched inverse 4th root of G = A A^T / n + 1e-3 I:", formatters=_FMT)
     print("\ntargets (at or ahead of the torch Newton loop and of CuPy eigh, whichever is the right tool):")
     for line in target_lines(b.rows):

@@ -319,9 +319,7 @@ def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     print()
-    print("=" * 110)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | {b.cfg.dtype}")
+    harness.print_summary_head(NAME, env, b.elapsed(), b.cfg.dtype)
     harness.print_table(b.rows, COLUMNS, title="\nforward + backward, mean loss:", formatters=_FMT)
     print(f"\ntargets ({HEADLINE[0]} x {HEADLINE[1]} x {HEADLINE[2]}):")
     for line in target_lines(b.rows):

@@ -387,9 +387,7 @@ def ratios(rows: Sequence[dict[str, Any]]) -> None:
 
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     print()
-    print("=" * 110)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s")
+    harness.print_summary_head(NAME, env, b.elapsed())
     model_rows = [r for r in b.rows if r.get("part") == "model"]
     if model_rows:
         harness.print_table(model_rows, MODEL_COLUMNS, formatters=_FMT,

@@ -249,9 +249,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     """The headline, printed last (the device tool returns only the end of the output)."""
     print()
-    print("=" * 100)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run: numbers mean nothing)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | batch {b.cfg.batch}")
+    harness.print_summary_head(NAME, env, b.elapsed(), f"batch {b.cfg.batch}", cpu="CPU (dry run: numbers mean nothing)")
     harness.print_table(b.rows, COLUMNS, title="\nper-sample grads, ghost norms, DP-SGD step (vs plain: plain ms / "
                         "this; vs vmap: torch.func ms / this, > 1: faster):")
     harness.print_outcome(b.failures, saved)

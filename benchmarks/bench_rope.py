@@ -286,10 +286,8 @@ def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     print()
-    print("=" * 110)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | B,S,Hq,Hk,D = {b.cfg.shape} | "
-          f"copy {harness.format_value(b.copy_bps / 1e9)} GB/s")
+    harness.print_summary_head(NAME, env, b.elapsed(), f"B,S,Hq,Hk,D = {b.cfg.shape}",
+                               f"copy {harness.format_value(b.copy_bps / 1e9)} GB/s")
     harness.print_table(b.rows, COLUMNS, title="\nrotary embedding of q and k, forward and backward:", formatters=_FMT)
     print("\ntargets (cukit, fraction of copy bandwidth):")
     for line in target_lines(b.rows):

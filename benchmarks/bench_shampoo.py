@@ -330,10 +330,8 @@ _FMT = {"error": lambda v: "" if v is None else str(v)[:60]}
 def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     cfg = b.cfg
     print()
-    print("=" * 110)
-    print(f"SUMMARY {NAME}: {env.get('gpu') or 'CPU (dry run)'} | torch {env.get('torch')} | "
-          f"commit {str(env.get('git_commit'))[:12]} | {b.elapsed():.0f} s | max_preconditioner_dim {cfg.max_dim}, "
-          f"roots every {cfg.frequency}")
+    harness.print_summary_head(NAME, env, b.elapsed(), f"max_preconditioner_dim {cfg.max_dim}, roots every "
+                               f"{cfg.frequency}")
     harness.print_table(b.rows, COLUMNS, title="\nShampoo step on GPT-2-shaped parameters, and training:",
                         formatters=_FMT)
     every = next((r for r in b.rows if r["impl"] == f"cukit Shampoo (every {cfg.frequency})"), None)

@@ -948,6 +948,16 @@ def format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
+def print_summary_head(name: str, env: Mapping[str, Any], seconds: float, *extras: str,
+                       cpu: str = "CPU (dry run)") -> None:
+    """The summary's first lines: a rule, then ``SUMMARY <name>: <gpu> | torch .. | commit .. | N s``
+    and `extras`, " | "-joined (`cpu` stands for the GPU's name in a dry run)."""
+    print("=" * 110)
+    parts = [env.get("gpu") or cpu, f"torch {env.get('torch')}", f"commit {str(env.get('git_commit'))[:12]}",
+             f"{seconds:.0f} s", *extras]
+    print(f"SUMMARY {name}: " + " | ".join(parts))
+
+
 def print_outcome(failures: Sequence[str], saved: Sequence[str]) -> None:
     """The last lines of a benchmark's summary: its failed or skipped cases (or that every case
     was validated and timed) and where the results were saved."""
