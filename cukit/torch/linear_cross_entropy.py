@@ -119,7 +119,7 @@ def _lce_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: 
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient (not a tensor of zeros)
     ctx.spec = _op.Spec(reduction, ignore_index, ls, zl, cap, return_lse)
     ctx.chunk, ctx.accumulate, ctx.retain = chunk, accumulate, retain
-    ctx.vocab_block = inputs[17] if len(inputs) > 17 else 0
+    ctx.vocab_block = inputs[17]
     # The forward's gradients, held as attributes (detached: as outputs they would link back to
     # this node) so the backward can release them early; None where absent.
     ctx.bufs = [_none(t.detach()) for t in (dx_buf, dw_buf, db_buf)]
