@@ -13,6 +13,7 @@
 //
 // Also: the eigendecomposition route's V diag(f(w)) (f(w) = (max(w, 0) + r)^e) and kron.
 #include <cukit/dtypes.cuh>
+#include <cukit/reduce.cuh>
 #include <cukit/vec.cuh>
 
 using namespace cukit;
@@ -22,34 +23,7 @@ enum NewtonState { RUNNING = 0, CONVERGED = 1, FAILED = 2 };
 constexpr int POWER_ITERS = 8;     // power iterations for lambda_max (the ridge only needs its scale)
 constexpr int MAX_THREADS = 1024;  // the host's largest block for the one-block-per-matrix kernels
 
-// Block-wide sum / max of one value per thread (blockDim.x a multiple of 32, at most 1024; every
-// thread gets the result). A fixed tree: the result does not depend on timing. scratch: 32 A's.
-template <typename A> __device__ __forceinline__ A block_sum(A v, A* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : A(0);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-template <typename A> __device__ __forceinline__ A block_max(A v, A* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : A(0);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
+// block_sum / block_max: cukit/reduce.cuh (fixed order; every thread gets the result).
 __device__ __forceinline__ int block_any(int v) { return __syncthreads_or(v); }
 
 // The power iteration's start vector: fixed and uneven, so that it is orthogonal to no usual

@@ -12,27 +12,13 @@
 //                                        materialised per-sample grads
 // Inputs are contiguous row-major (the host makes them so); rows are samples. Maths in acc_t<T>
 // (fp32 for the 16-bit types). Every reduction has a fixed order for a given launch
-// configuration (warp shuffle tree, then warps in order, then splits in order): no atomics, the
+// configuration (warp shuffle trees, cukit/reduce.cuh, then splits in order): no atomics, the
 // results are bitwise reproducible.
 #include <cukit/dtypes.cuh>
+#include <cukit/reduce.cuh>
 #include <cukit/vec.cuh>
 
 using namespace cukit;
-
-// Sum of v over the block in a fixed order; the result is valid in thread 0. blockDim.x is a
-// multiple of 32 (the host launches 256), smem holds blockDim.x / 32 values.
-template <typename A> __device__ __forceinline__ A block_sum(A v, A* smem) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  A s = A(0);
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += smem[w];
-  }
-  return s;
-}
 
 // Pass 1 of the per-row sums: block (s, i) sums elements [s * chunk, min(n, (s + 1) * chunk)) of
 // row i of x^2 (TWO: x * y) and writes partial[i * splits + s]. With one split, partial is the

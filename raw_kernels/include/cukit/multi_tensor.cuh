@@ -21,6 +21,7 @@
 // (load_shared<A>): float launches see float32 hyperparameters, float64 launches the exact ones.
 #pragma once
 #include <cukit/dtypes.cuh>
+#include <cukit/reduce.cuh>
 #include <cukit/vec.cuh>
 
 namespace cukit {
@@ -161,22 +162,6 @@ template <typename T, int N, typename A> __device__ __forceinline__ void store(T
 #pragma unroll
   for (int k = 0; k < N; ++k) v.v[k] = from_acc<T>(x[k]);
   store_vec<T, N>(base + off, v);
-}
-
-// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
-// result. `scratch` holds 32 values. Fixed order: the result does not depend on timing.
-template <typename V> __device__ __forceinline__ V block_sum(V v, V* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  const int nw = blockDim.x >> 5;
-  v = lane < nw ? scratch[lane] : V(0);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // Counts a step: steps[i] += 1 for each of the n tensors, unless *skip != 0 (torch keeps a step
