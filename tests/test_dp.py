@@ -153,11 +153,16 @@ def test_gpu_clipped_sum_matches_cpu_float64(case: Any, dtype: Any) -> None:
     want = explicit_clipped_sum(model, ce_sum, x, y, 0.5)
     m = model.to(device="cuda", dtype=dtype)
     xc = x.to("cuda", dtype) if x.is_floating_point() else x.cuda()
+    # in bf16 the error is the model's own rounding: no more than twice torch.func's on the same model
+    theirs = explicit_clipped_sum(m, ce_sum, xc, y.cuda(), 0.5) if dtype == torch.bfloat16 else None
     dp.clip_and_accumulate(m, ce_sum, xc, y.cuda(), max_grad_norm=0.5)
     tol = 5e-2 if dtype == torch.bfloat16 else 2e-3  # cuDNN convolutions use TF32 by default
     for k, p in m.named_parameters():
         err = (p.grad.double().cpu() - want[k]).norm() / want[k].norm().clamp_min(1e-12)
-        assert err < tol, (k, float(err))
+        bound = tol
+        if theirs is not None:
+            bound = max(tol, 2 * float((theirs[k].double().cpu() - want[k]).norm() / want[k].norm().clamp_min(1e-12)))
+        assert err < bound, (k, float(err), bound)
 
 
 @pytest.mark.gpu

@@ -516,10 +516,15 @@ def test_gpu_models_match_cpu_float64(dtype: Any, factory: Any) -> None:
     m = m64.to(device="cuda", dtype=dtype)
     xc = x.cuda() if not x.is_floating_point() else x.to("cuda", dtype)
     got = cukit.per_sample_grads(m, ce_sum, xc, y.cuda())
+    # in bf16 the error is the model's own rounding: no more than twice torch.func's on the same model
+    theirs = vmap_grads(m, ce_sum, xc, y.cuda()) if dtype == torch.bfloat16 else None
     tol = 5e-2 if dtype == torch.bfloat16 else 2e-3  # cuDNN convolutions use TF32 by default
     for k in ref:
         err = (got[k].double().cpu() - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)
-        assert err < tol, (k, float(err))
+        bound = tol
+        if theirs is not None:
+            bound = max(tol, 2 * float((theirs[k].double().cpu() - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)))
+        assert err < bound, (k, float(err), bound)
     n = cukit.per_sample_grad_norms(m, ce_sum, xc, y.cuda())
     torch.testing.assert_close(n.double().cpu(), ref_n, rtol=tol, atol=tol)
 

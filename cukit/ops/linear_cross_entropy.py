@@ -1017,7 +1017,8 @@ def run_forward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: Any
             if need_db:
                 steps.colsum(g, ldg, partial, db_buf, n, i == 0, stream)
         if need_dw and plan.recompute:
-            del ws, gview, partial
+            # every view of the first pass's workspace goes (the loop's `g` too): dW takes its place
+            del ws, gview, partial, g
             dw_buf = _empty((V, H), gdt, x)
             _dw_by_vocab_blocks(plan, steps, stream, x, w, target, bias, cw, stats, None, one, None, lse, dw_buf)
     if not none:
@@ -1117,7 +1118,8 @@ def run_backward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: An
             if need_db:
                 steps.colsum(g, ldg, partial, db_acc, n, i == 0, stream)
         if need_dw and blocks:
-            del ws, gview, partial
+            # every view of the first pass's workspace goes (the loop's `g` too): dW takes its place
+            del ws, gview, partial, g
             dw = _empty((V, H), plan.dtype, x)
             _dw_by_vocab_blocks(plan, steps, stream, x, w, target, bias, cw, stats, row_grad, grad0, grad_lse, lse,
                                 dw)

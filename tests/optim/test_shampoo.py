@@ -383,7 +383,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("method", ["auto", "eigh", "newton"])
 def test_cuda_matches_reference(kw: dict[str, Any], method: str) -> None:
     params = _params(SHAPES, "cuda")
-    ref = RefShampoo(params, **kw)
+    ref = RefShampoo([p.cpu() for p in params], **kw)  # the float64 reference runs on the CPU
     opt = Shampoo(params, root_method=method, **kw)
     for gs in _grads(SHAPES, 7):
         _run(opt, params, [gs])
@@ -399,7 +399,7 @@ def test_cuda_matches_reference(kw: dict[str, Any], method: str) -> None:
 def test_cuda_step_has_no_host_sync() -> None:
     params = _params([(64, 48), (48,), (130, 40)], "cuda")
     opt = Shampoo(params, lr=1e-3, max_preconditioner_dim=64, capturable=True)
-    grads = _grads([(64, 48), (48,), (130, 40)], 3)
+    grads = [[g.cuda() for g in gs] for gs in _grads([(64, 48), (48,), (130, 40)], 3)]
     _run(opt, params, grads[:1])  # builds the layout and compiles the kernels
     scale, found = torch.tensor(4.0, device="cuda"), torch.tensor(0.0, device="cuda")
     torch.cuda.synchronize()
@@ -408,7 +408,7 @@ def test_cuda_step_has_no_host_sync() -> None:
         for gs in grads[1:]:
             opt.grad_scale, opt.found_inf = scale, found
             for p, g in zip(params, gs, strict=True):
-                p.grad.copy_(g.to("cuda") * 4)  # type: ignore[union-attr]
+                p.grad.copy_(g * 4)  # type: ignore[union-attr]
             opt.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
