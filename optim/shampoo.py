@@ -394,13 +394,17 @@ class Shampoo(torch.optim.Optimizer):
         return loss
 
     def _commit(self, dst: list[Tensor], new: list[Tensor], ok: Tensor | None) -> None:
-        """dst <- new, or dst <- ok ? new : dst (lerp with weight 0 or 1 is exact)."""
+        """dst <- new, or dst <- ok ? new : dst, exactly: dst * (1 - ok) + new * ok with ok 0 or 1
+        and both finite (a skipped step's gradients are zeroed first). `new` is overwritten.
+        Multiplies by a device tensor: a foreach lerp would read its weight on the host."""
         if not dst:
             return
         if ok is None:
             torch._foreach_copy_(dst, new)
         else:
-            torch._foreach_lerp_(dst, new, ok)
+            torch._foreach_mul_(new, ok)
+            torch._foreach_mul_(dst, 1.0 - ok)
+            torch._foreach_add_(dst, new)
 
     def _update(self, lay: _Layout, grad_scale: Tensor | None, ok: Tensor | None) -> None:
         from cukit.ops.matmul import gemm
