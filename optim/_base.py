@@ -277,9 +277,34 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             del key[len(ps) :]
             key += (-1 if g is None else g.data_ptr() for g in grads)
         if key != self._key:
-            self._build()
+            if not self._repoint_grads(key):
+                self._build()
             self._key = key
         return bool(self._plans)
+
+    def _repoint_grads(self, key: list[int]) -> bool:
+        """Only gradient pointers moved (a backward that allocated its gradients anew: set_to_none,
+        a compiled backward): point each plan's table at the new gradients and keep everything
+        else (states, steps, hyperparameters). False when anything else changed: rebuild."""
+        old, n = self._key, len(self._all)
+        if old is None or len(old) != len(key) or old[:n] != key[:n] or -1 in key[n:] or -1 in old[n:]:
+            return False
+        if not self._plans or any(plan.table is None for plan in self._plans):
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False  # _build raises the capture error
+        news = []
+        for plan in self._plans:
+            grads = [p.grad for p in plan.params]
+            for p, g in zip(plan.params, grads, strict=True):
+                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device or not g.is_contiguous():
+                    return False  # _build raises the error for it
+            news.append(grads)
+        for plan, grads in zip(self._plans, news, strict=True):
+            plan.table.set_list(1, grads)  # type: ignore[union-attr]
+            plan.grads = grads
+        self._norm = None  # the clipping norm's prepared lists hold the old gradients
+        return True
 
     def _use_kernels(self, params: Sequence[Tensor]) -> bool:
         return cukit.is_available() and all(p.is_cuda for p in params)

@@ -85,6 +85,7 @@ class TensorTable:
         self.host = host  # kept for inspection and the tests; the device copy is what kernels read
         self.table = torch.from_numpy(host).to(device)
         self.L, self.T, self.C, self.chunk = L, T, C, chunk
+        self.itemsizes = itemsizes
         self.numel = int(sizes.sum())
         self.sizes = sizes
         self.aligned = aligned
@@ -96,6 +97,29 @@ class TensorTable:
         )
         per_sm = _THREADS_PER_SM // self.block
         self.grid = max(1, min(C, sm_count(self.device) * per_sm * 4))
+
+    def set_list(self, li: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Point list `li` at `tensors` (new gradients of the same parameters: same count, element
+        counts, device, itemsize), rewriting its addresses and the alignment flags in place in the
+        device table (one host-to-device copy on the current stream, after the launches that read
+        the old one). The work items and launch shape stay; ValueError if a tensor does not fit."""
+        T, device = self.T, self.table.device
+        if len(tensors) != T:
+            raise ValueError(f"list {li} needs {T} tensors; got {len(tensors)}")
+        for ti, t in enumerate(tensors):
+            if (t.device != device or t.numel() != self.sizes[ti] or not t.is_contiguous()
+                    or t.element_size() != self.itemsizes[li]):
+                raise ValueError(f"list {li}, tensor {ti} does not fit the table (numel, device, itemsize, layout)")
+        L, host = self.L, self.host
+        addr = host[: L * T].reshape(L, T)
+        addr[li] = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=T)
+        aligned = np.ones(T, dtype=bool)
+        for lj in range(L):
+            aligned &= addr[lj] % (K_VEC * self.itemsizes[lj]) == 0
+        info = host[(L + 1) * T : (L + 2) * T]
+        info[:] = (info & ~np.int64(ALIGNED_BIT)) | np.where(aligned, ALIGNED_BIT, 0)
+        self.aligned = aligned
+        self.table.copy_(torch.from_numpy(host))
 
     def tensor_of_chunk(self, c: int) -> tuple[int, int]:
         """(tensor, first element) of work item `c` (host-side decoding, for tests)."""

@@ -535,3 +535,44 @@ def test_default_mode_follows_moved_storage(device: str) -> None:
         ta.step()
         cb.step()
         assert_params_close(list(a.parameters()), list(b.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion"])
+def test_gradients_reallocated_each_step_repoint_the_table(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward that allocates its gradients anew every step (set_to_none, a compiled backward)
+    keeps the plan: only the table's gradient addresses (and alignment flags) are rewritten, and
+    the steps still match torch's, including a step whose gradients are misaligned views."""
+    kw = {"AdamW": {"lr": 0.01, "weight_decay": 0.1}, "SGD": {"lr": 0.05, "momentum": 0.9},
+          "Lion": {"lr": 1e-3}}[name]
+    base = make_params("cuda", (torch.float32,))
+    a = [p.detach().clone().requires_grad_() for p in base]
+    b = [p.detach().clone().requires_grad_() for p in base]
+    theirs = getattr(co, name)(a, **kw)  # its gradients stay where they are (written in place)
+    ours = getattr(co, name)(b, **kw)
+    builds = []
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float32).cuda() for p in a]
+        for p, q, gi in zip(a, b, grads, strict=True):
+            if p.grad is None:
+                p.grad = gi.clone()
+            else:
+                p.grad.copy_(gi)
+            if step == 3:  # misaligned: a view one element into a larger buffer
+                buf = torch.empty(gi.numel() + 1, device="cuda")
+                q.grad = buf[1:].view(gi.shape).copy_(gi)
+            else:
+                q.grad = gi.clone()
+        theirs.step()
+        if step == 1:  # from here on every step must reuse the plan
+            monkeypatch.setattr(ours, "_build", lambda: builds.append(1))
+        ours.step()
+        assert not builds, "the plan was rebuilt for new gradient pointers"
+        if step == 3:
+            assert not ours._plans[0].table.aligned.all()  # type: ignore[union-attr]
+        assert [int(x) for x in ours._plans[0].table.host[ours._plans[0].table.T:2 * ours._plans[0].table.T]] == [
+            q.grad.data_ptr() for q in ours._plans[0].params]  # type: ignore[union-attr]
+    for x, y in zip(b, a, strict=True):  # the misaligned step ran the scalar path: same maths
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
