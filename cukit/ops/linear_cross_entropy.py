@@ -564,11 +564,17 @@ def reference_numpy(
     return loss, lse.reshape(shape)
 
 
-def reference_logits_torch(x: Any, linear_weight: Any, linear_bias: Any, softcap: float) -> Any:
-    """``z = cap(x @ W^T + b)`` for x (T, H) in float32 (float64 for float64): the kernels' maths."""
+def reference_logits_torch(x: Any, linear_weight: Any, linear_bias: Any, softcap: float,
+                           product_in_input_dtype: bool = False) -> Any:
+    """``z = cap(x @ W^T + b)`` for x (T, H) in float32 (float64 for float64): the kernels' maths.
+    `product_in_input_dtype`: ``F.linear`` in the inputs' dtype, then widened (torch's own
+    ``F.cross_entropy(F.linear(x, W, b).float(), y)``: one rounding of each logit to that dtype)."""
     import torch
 
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if product_in_input_dtype:
+        z = torch.nn.functional.linear(x, linear_weight, linear_bias).to(acc)
+        return softcap * torch.tanh(z / softcap) if softcap else z
     with torch.autocast(x.device.type, enabled=False):  # the product in acc, also under autocast
         z = x.to(acc) @ linear_weight.to(acc).T
     if linear_bias is not None:
@@ -581,19 +587,20 @@ def reference_logits_torch(x: Any, linear_weight: Any, linear_bias: Any, softcap
 def reference_torch(
     input: Any, linear_weight: Any, target: Any, linear_bias: Any = None, weight: Any = None,
     reduction: str = "mean", ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
-    z_loss: float = 0.0, softcap: float = 0.0,
+    z_loss: float = 0.0, softcap: float = 0.0, product_in_input_dtype: bool = False,
 ) -> tuple[Any, Any]:
     """torch linear + cross-entropy with the kernels' maths (float32 logits, float64 for float64
     inputs), differentiable by torch's autograd: (loss, lse), the torch-CPU fallback.
 
     input (..., H), linear_weight (V, H), target input.shape[:-1] (valid indices or
-    ignore_index); softcap 0 means none. The loss is float32 (float64 for float64 inputs)."""
+    ignore_index); softcap 0 means none. The loss is float32 (float64 for float64 inputs).
+    `product_in_input_dtype`: see :func:`reference_logits_torch`."""
     import torch
 
     H, V = linear_weight.shape[1], linear_weight.shape[0]
     shape = tuple(target.shape)
     y = target.reshape(-1).long()
-    z = reference_logits_torch(input.reshape(-1, H), linear_weight, linear_bias, softcap)
+    z = reference_logits_torch(input.reshape(-1, H), linear_weight, linear_bias, softcap, product_in_input_dtype)
     lse = torch.logsumexp(z, dim=1) if z.shape[0] else z.new_zeros(0)
     per = row_loss_torch(z, y, weight, lse, ignore_index, label_smoothing, z_loss)
     if reduction == "none":

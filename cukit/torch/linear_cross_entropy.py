@@ -21,8 +21,13 @@ Autograd (first order; a double backward raises):
 - CPU: the same formulas in torch ops (``reference_grad_torch``); eager CPU calls use the reference
   with torch's own autograd (double backward included).
 
-``torch.compile`` keeps the op opaque under both compile policies (``compile_as=None``: inductor
-cannot chunk it); the fake implementations give its outputs' metadata.
+Under ``torch.compile`` the op is opaque (``compile_as=None``: inductor cannot chunk it; the fake
+implementations give its outputs' metadata), except where chunking buys nothing: under the
+"inductor" compile policy, a call with the default options whose float32 logits would take at
+most :data:`COMPILE_AS_TORCH_MAX_LOGITS_BYTES` is traced as torch's own
+``F.cross_entropy(F.linear(x, W, b).float(), y)`` form (cukit's extensions included), which
+inductor fuses into the neighbouring graph at the same peak memory; the chunked op there only
+added its host cost and an fp32 logits round trip. Explicit ``options`` keep the op.
 """
 
 from __future__ import annotations
@@ -32,9 +37,22 @@ import math
 import torch
 
 from cukit.ops import linear_cross_entropy as _op
-from cukit.torch._register import DIRECT, DISPATCH, FUNCTION, TorchOp, autocast_lower, eager_path
+from cukit.torch._register import (
+    DIRECT,
+    DISPATCH,
+    FUNCTION,
+    TorchOp,
+    _is_compiling,
+    autocast_lower,
+    eager_path,
+    get_compile_policy,
+)
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["COMPILE_AS_TORCH_MAX_LOGITS_BYTES", "linear_cross_entropy"]
+
+# Under torch.compile's "inductor" policy with default options: torch's form up to this many bytes
+# of float32 logits (tokens x vocabulary x 4), the chunked op above it.
+COMPILE_AS_TORCH_MAX_LOGITS_BYTES = 1 << 30
 
 Tensor = torch.Tensor
 
@@ -302,6 +320,12 @@ def linear_cross_entropy(
         _op.check_targets_host(target, linear_weight.shape[0], spec.ignore_index)
         loss, lse = _op.reference_torch(input, linear_weight, target, linear_bias, weight, spec.reduction,
                                         spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap)
+        return (loss, lse) if return_lse else loss
+    if (path == DISPATCH and options is None and _is_compiling() and get_compile_policy() == "inductor"
+            and T * V * 4 <= COMPILE_AS_TORCH_MAX_LOGITS_BYTES):
+        loss, lse = _op.reference_torch(input, linear_weight, target, linear_bias, weight, spec.reduction,
+                                        spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap,
+                                        product_in_input_dtype=True)
         return (loss, lse) if return_lse else loss
     dtype = str(input.dtype).removeprefix("torch.")
     chunk, vocab_block = opts.chunk_rows(T, V, H, dtype), opts.vocab_block(T, V, dtype)
