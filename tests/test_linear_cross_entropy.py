@@ -328,7 +328,7 @@ def test_cpu_torch_compile_fullgraph(compile_policy: str):
         assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["default", "options", "large"])
+@pytest.mark.parametrize("case", ["default", "plain", "options", "large"])
 def test_cpu_compile_traces_torch_form_only_for_small_default_calls(compile_policy: str, case: str, monkeypatch):
     # the "inductor" policy traces a default call with small logits as torch's F.linear +
     # cross-entropy form; explicit options, logits over the limit or the "kernels" policy keep the op
@@ -343,12 +343,19 @@ def test_cpu_compile_traces_torch_form_only_for_small_default_calls(compile_poli
     x, w, y, _, _ = make(5, 4, 6, dtype=torch.float32)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
 
+    # "plain" (no z_loss): F.cross_entropy itself, with ignored targets, class weights, smoothing
+    y[1] = -100
+    cw = torch.rand(6) + 0.5 if case == "plain" else None
+    zl = 0.0 if case == "plain" else 1e-3
+
     def f(x, w, y):
-        return cukit.linear_cross_entropy(x, w, y, label_smoothing=0.1, z_loss=1e-3, options=opts)
+        return cukit.linear_cross_entropy(x, w, y, weight=cw, label_smoothing=0.1, z_loss=zl, options=opts)
 
     out = torch.compile(f, fullgraph=True, backend=backend)(xr, wr, y)
     out.backward()
-    torch_form = compile_policy == "inductor" and case == "default"
+    torch_form = compile_policy == "inductor" and case in ("default", "plain")
+    if torch_form and case == "plain":
+        assert "cross_entropy" in backend.graphs[0].code
     assert ("cukit.linear_cross_entropy" in backend.graphs[0].code) is not torch_form
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
     ref = f(x2, w2, y)

@@ -323,6 +323,13 @@ def linear_cross_entropy(
         return (loss, lse) if return_lse else loss
     if (path == DISPATCH and options is None and _is_compiling() and get_compile_policy() == "inductor"
             and T * V * 4 <= COMPILE_AS_TORCH_MAX_LOGITS_BYTES):
+        if not (spec.z_loss or return_lse):  # exactly torch's graph: its fused loss, its saved tensors
+            z = _op.reference_logits_torch(input.reshape(T, H), linear_weight, linear_bias, spec.softcap,
+                                           product_in_input_dtype=True)
+            loss = torch.nn.functional.cross_entropy(
+                z, target.reshape(T).long(), weight=None if weight is None else weight.to(z.dtype),
+                ignore_index=spec.ignore_index, reduction=spec.reduction, label_smoothing=spec.label_smoothing)
+            return loss.reshape(shape) if spec.reduction == "none" else loss
         loss, lse = _op.reference_torch(input, linear_weight, target, linear_bias, weight, spec.reduction,
                                         spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap,
                                         product_in_input_dtype=True)
