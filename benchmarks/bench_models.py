@@ -166,6 +166,7 @@ class Config:
     compile_policy: str = "inductor"  # cukit.torch.set_compile_policy for the cukit side
     patch_linear: bool = False  # cukit.nn.patch(linear=True, conv1d=True): every linear layer cukit's
     loss_accumulation: str | None = None  # the patched HF models' LinearCrossEntropyOptions.grad_accumulation
+    patch_off: tuple[str, ...] = ()  # cukit.nn.patch rules switched off on the cukit side (attribution)
     dry_run: bool = False
     seed: int = 0
     out: str | None = None
@@ -209,6 +210,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-accumulation", default=None, choices=("float32", "input", "recompute"),
                    help="cukit side: grad_accumulation of the patched LM loss (model.cukit_loss_options; "
                         "default: cukit's default, float32)")
+    p.add_argument("--patch-off", default=None,
+                   help="cukit side: comma-separated cukit.nn.patch rules to switch off (e.g. lm_head_loss,rope), "
+                        "to attribute a difference to a rule")
     p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     p.add_argument("--seed", type=int, default=0)
@@ -217,7 +221,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear,
-                 loss_accumulation=args.loss_accumulation,
+                 loss_accumulation=args.loss_accumulation, patch_off=_patch_rules(args.patch_off),
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
     if args.dry_run:
@@ -244,7 +248,22 @@ def results_name(cfg: Config) -> str:
         parts.append("patch-linear")
     if cfg.loss_accumulation:
         parts.append(f"loss-{cfg.loss_accumulation}")
+    if cfg.patch_off:
+        parts.append("off-" + "-".join(cfg.patch_off))
     return "-".join(parts)
+
+
+def _patch_rules(arg: str | None) -> tuple[str, ...]:
+    """--patch-off's rule names, checked against cukit.nn.patch's rules."""
+    if not arg:
+        return ()
+    from cukit.nn._patch import RULES
+
+    names = tuple(x.strip() for x in arg.split(",") if x.strip())
+    bad = [n for n in names if n not in RULES]
+    if bad:
+        raise SystemExit(f"{NAME}: --patch-off: unknown rule(s) {', '.join(bad)}; rules: {', '.join(RULES)}")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,16 +294,17 @@ def _transformers() -> Any:
     return transformers
 
 
-def cukit_patch(model: Any, every_linear: bool = False) -> Any:
-    """``cukit.nn.patch(model)`` in place (`every_linear`: ``linear=True, conv1d=True``); no stand-in
-    when it is missing: the comparison would be void."""
+def cukit_patch(model: Any, every_linear: bool = False, off: tuple[str, ...] = ()) -> Any:
+    """``cukit.nn.patch(model)`` in place (`every_linear`: ``linear=True, conv1d=True``; `off`: rules
+    switched off); no stand-in when it is missing: the comparison would be void."""
     import cukit.nn
 
     patch = getattr(cukit.nn, "patch", None)
     if patch is None:
         raise RuntimeError("cukit.nn.patch is not available: this benchmark compares stock torch against "
                            "cukit.nn.patch(model) (issue 9) and uses no stand-in")
-    out = patch(model, inplace=True, **({"linear": True, "conv1d": True} if every_linear else {}))
+    switches = {"linear": True, "conv1d": True} if every_linear else {}
+    out = patch(model, inplace=True, **switches, **{rule: False for rule in off})
     return model if out is None else out
 
 
@@ -390,7 +410,7 @@ def _seeded_on_device(cfg: Config, build: Callable[[], Any]) -> Any:
 
 def _patched_copy(base: Any, cfg: Config) -> Callable[[], Any]:
     def build() -> Any:
-        model = cukit_patch(copy.deepcopy(base), cfg.patch_linear)
+        model = cukit_patch(copy.deepcopy(base), cfg.patch_linear, cfg.patch_off)
         if cfg.loss_accumulation:
             import cukit
 
@@ -921,6 +941,7 @@ def run(cfg: Config) -> Bench:
     b.meta["compile_policy"] = cfg.compile_policy
     b.meta["patch_linear"] = cfg.patch_linear
     b.meta["loss_accumulation"] = cfg.loss_accumulation
+    b.meta["patch_off"] = list(cfg.patch_off)
     if any(s.startswith("compile") for s in cfg.settings):
         harness.configure_dynamo()
     env = harness.environment()

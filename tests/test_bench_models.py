@@ -162,6 +162,20 @@ def test_models_config(models: Any) -> None:
     assert full.compile_kwargs() == {"backend": "inductor"}
     with pytest.raises(SystemExit):
         models.config_from_args(models.parse_args(["--models", "resnet"]))
+    off = models.config_from_args(models.parse_args(["--models", "llama", "--patch-off", "lm_head_loss, rope"]))
+    assert off.patch_off == ("lm_head_loss", "rope")
+    assert models.results_name(off) == "bench_models-llama-off-lm_head_loss-rope"
+    with pytest.raises(SystemExit, match="unknown rule"):
+        models.config_from_args(models.parse_args(["--patch-off", "lm_head"]))
+
+
+def test_patch_off_switches_the_rules_off(models: Any) -> None:
+    pytest.importorskip("transformers")
+    tf = models._transformers()
+    cfg = tf.LlamaConfig(**models.LLAMA_TINY)
+    on = models.count_cukit_modules(models.cukit_patch(tf.LlamaForCausalLM(cfg)))
+    off = models.count_cukit_modules(models.cukit_patch(tf.LlamaForCausalLM(cfg), off=("rms_norm",)))
+    assert on - off == 2 * models.LLAMA_TINY["num_hidden_layers"] + 1  # the RMSNorms
 
 
 def _row(model: str, setting: str, impl: str, ms: float | None, losses: list[float] | None) -> dict[str, Any]:
