@@ -347,13 +347,7 @@ def run(cfg: Config) -> Bench:
               flush=True)
     ratios(b.rows)
     env = harness.environment()
-    saved: list[str] = []
-    try:
-        saved = [str(p) for p in harness.save_results(
-            b.rows, NAME, cfg.out, env=env,
-            meta={**b.meta, "failures": b.failures, "elapsed_s": b.elapsed(), "rel_tol": REL_TOL})]
-    except Exception as e:
-        b.failures.append(f"saving results: {harness.short_error(e)}")
+    saved = harness.save_run(b, NAME, cfg.out, env, meta={"rel_tol": REL_TOL})
     print_summary(b, env, saved)
     return b
 

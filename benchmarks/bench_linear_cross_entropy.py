@@ -373,14 +373,8 @@ def run(cfg: Config) -> Bench:
             harness.release_cuda_memory()
     _ratios(b.rows)
     env = harness.environment()
-    saved: list[str] = []
-    try:
-        saved = [str(p) for p in harness.save_results(
-            b.rows, NAME, cfg.out, env=env,
-            meta={**b.meta, "failures": b.failures, "elapsed_s": b.elapsed(),
-                  "targets": {"peak_mib": TARGET_MIB, "ms": TARGET_MS, "shape": HEADLINE}})]
-    except Exception as exc:
-        b.failures.append(f"saving results: {harness.short_error(exc)}")
+    saved = harness.save_run(b, NAME, cfg.out, env,
+                             meta={"targets": {"peak_mib": TARGET_MIB, "ms": TARGET_MS, "shape": HEADLINE}})
     print_summary(b, env, saved)
     return b
 

@@ -429,12 +429,7 @@ def run(cfg: Config) -> Bench:
         run_chunking_part(b)
     ratios(b.rows)
     env = harness.environment()
-    saved: list[str] = []
-    try:
-        saved = [str(p) for p in harness.save_results(
-            b.rows, NAME, cfg.out, env=env, meta={**b.meta, "failures": b.failures, "elapsed_s": b.elapsed()})]
-    except Exception as exc:
-        b.failures.append(f"saving results: {harness.short_error(exc)}")
+    saved = harness.save_run(b, NAME, cfg.out, env)
     print_summary(b, env, saved)
     return b
 

@@ -273,13 +273,7 @@ def run(cfg: Config) -> tuple[Bench, dict[str, Any], list[str]]:
             if b.cuda:
                 harness.release_cuda_memory()
     env = harness.environment()
-    saved: list[str] = []
-    try:
-        saved = [str(p) for p in harness.save_results(b.rows, NAME, cfg.out, env=env,
-                                                      meta={**b.meta, "failures": b.failures,
-                                                            "elapsed_s": b.elapsed()})]
-    except Exception as e:
-        b.failures.append(f"saving results: {harness.short_error(e)}")
+    saved = harness.save_run(b, NAME, cfg.out, env)
     print_summary(b, env, saved)
     return b, env, saved
 

@@ -337,14 +337,8 @@ def run(cfg: Config) -> Bench:
             for r in done), flush=True)
     ratios(b.rows)
     env = harness.environment()
-    saved: list[str] = []
-    try:
-        saved = [str(p) for p in harness.save_results(
-            b.rows, NAME, cfg.out, env=env,
-            meta={**b.meta, "copy_gbps": b.copy_bps / 1e9, "failures": b.failures, "elapsed_s": b.elapsed(),
-                  "targets": {"fraction": TARGET_FRACTION}})]
-    except Exception as e:
-        b.failures.append(f"saving results: {harness.short_error(e)}")
+    saved = harness.save_run(b, NAME, cfg.out, env,
+                             meta={"copy_gbps": b.copy_bps / 1e9, "targets": {"fraction": TARGET_FRACTION}})
     print_summary(b, env, saved)
     return b
 

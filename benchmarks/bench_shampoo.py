@@ -375,13 +375,7 @@ def run(cfg: Config) -> Bench:
     except Exception as e:
         b.record_failure("training", e)
     env = harness.environment()
-    saved: list[str] = []
-    try:
-        saved = [str(p) for p in harness.save_results(b.rows, NAME, cfg.out, env=env,
-                                                      meta={**b.meta, "failures": b.failures,
-                                                            "elapsed_s": b.elapsed()})]
-    except Exception as e:
-        b.failures.append(f"saving results: {harness.short_error(e)}")
+    saved = harness.save_run(b, NAME, cfg.out, env)
     print_summary(b, env, saved)
     return b
 

@@ -798,6 +798,21 @@ def save_results(
     return written
 
 
+def save_run(b: Any, name: str, out_dir: str | os.PathLike[str] | None, env: Mapping[str, Any], *,
+             meta: Mapping[str, Any] | None = None, plot_kwargs: Mapping[str, Any] | None = None) -> list[str]:
+    """:func:`save_results` of a bench run `b` (``rows``, ``meta``, ``failures``, ``elapsed()``): its
+    meta, failures and elapsed seconds, plus `meta`. A failure to save is recorded in
+    ``b.failures`` (the run's tables still print), not raised. Returns the paths as strings."""
+    try:
+        return [str(p) for p in save_results(
+            b.rows, name, out_dir, env=env,
+            meta={**b.meta, "failures": b.failures, "elapsed_s": b.elapsed(), **(meta or {})},
+            plot_kwargs=plot_kwargs)]
+    except Exception as e:
+        b.failures.append(f"saving results: {short_error(e)}")
+        return []
+
+
 def _csv_cell(v: Any) -> Any:
     if isinstance(v, float):
         return "" if not math.isfinite(v) else f"{v:.6g}"

@@ -166,6 +166,28 @@ def test_fatal_errors_and_short_error(harness: Any) -> None:
     assert len(s) == 50 and "\n" not in s and s.startswith("ValueError")
 
 
+def test_save_run_writes_the_runs_meta_and_records_a_failure(harness: Any, tmp_path: Path) -> None:
+    class Run:
+        rows: ClassVar[list[dict[str, Any]]] = [{"impl": "x", "ms": 1.0}]
+        meta: ClassVar[dict[str, Any]] = {"config": {"seed": 0}}
+
+        def __init__(self) -> None:
+            self.failures: list[str] = []
+
+        def elapsed(self) -> float:
+            return 2.5
+
+    b = Run()
+    saved = harness.save_run(b, "bench_x", tmp_path, {"gpu": None}, meta={"rel_tol": 0.1})
+    assert [Path(p).name for p in saved] == ["bench_x.json", "bench_x.csv"] and not b.failures
+    doc = json.loads((tmp_path / "bench_x.json").read_text())
+    assert doc["meta"] == {"config": {"seed": 0}, "failures": [], "elapsed_s": 2.5, "rel_tol": 0.1}
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert harness.save_run(b, "bench_x", blocker / "sub", {"gpu": None}) == []
+    assert len(b.failures) == 1 and b.failures[0].startswith("saving results:")
+
+
 def test_print_table(harness: Any, capsys: pytest.CaptureFixture[str]) -> None:
     rows = [{"impl": "cukit", "ms": 0.123456, "n": 4096}, {"impl": "torch.compile", "ms": None, "n": 7}]
     text = harness.print_table(rows, ["impl", ("ms", "time ms"), "n"], title="T")
