@@ -297,10 +297,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "three shapes, fewer repeats", no_compile=True)
+    p = harness.run_parser(__doc__, "three shapes, fewer repeats", no_compile=True)
     return p.parse_args(argv)
 
 

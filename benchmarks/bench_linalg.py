@@ -316,10 +316,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "three cases, fewer repeats")
+    p = harness.run_parser(__doc__, "three cases, fewer repeats")
     p.add_argument("--iters", type=int, default=None, help="Newton iterations of the newton rows (default 15)")
     return p.parse_args(argv)
 

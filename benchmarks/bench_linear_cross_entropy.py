@@ -333,10 +333,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "the headline shape only, fewer repeats", no_compile=True)
+    p = harness.run_parser(__doc__, "the headline shape only, fewer repeats", no_compile=True)
     p.add_argument("--shapes", default=None, help="T,H,V;T,H,V;... instead of the default shapes")
     return p.parse_args(argv)
 

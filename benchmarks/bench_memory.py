@@ -406,10 +406,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "the 6-layer Llama, one chunk size, fewer repeats")
+    p = harness.run_parser(__doc__, "the 6-layer Llama, one chunk size, fewer repeats")
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--compile", action="store_true", help="also the model rows under torch.compile")
     p.add_argument("--chunk-sizes", default=None, help="comma-separated chunk sizes for forward_with_chunking")

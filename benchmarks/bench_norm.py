@@ -441,10 +441,7 @@ def print_summary(b: Bench, env: dict[str, Any], host_rows: list[dict[str, Any]]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "two shapes, fewer repeats (< 90 s)", no_compile=True)
+    p = harness.run_parser(__doc__, "two shapes, fewer repeats (< 90 s)", no_compile=True)
     return p.parse_args(argv)
 
 

@@ -236,10 +236,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "fewer repeats")
+    p = harness.run_parser(__doc__, "fewer repeats")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated parameter dtypes")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated models: mlp, cnn, seq")
     p.add_argument("--batch", type=int, default=256, help="batch size")

@@ -301,10 +301,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "the bfloat16 HF-layout cases only, fewer repeats", no_compile=True)
+    p = harness.run_parser(__doc__, "the bfloat16 HF-layout cases only, fewer repeats", no_compile=True)
     return p.parse_args(argv)
 
 

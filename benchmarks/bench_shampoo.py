@@ -347,10 +347,7 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out_argument(p)
-    harness.add_run_arguments(p, "4 layers, fewer repeats and training steps")
+    p = harness.run_parser(__doc__, "4 layers, fewer repeats and training steps")
     p.add_argument("--max-dim", type=int, default=None, help="max_preconditioner_dim (default 1024)")
     p.add_argument("--frequency", type=int, default=None, help="precondition_frequency of the amortised row")
     p.add_argument("--train-steps", type=int, default=None, help="training steps per optimizer")

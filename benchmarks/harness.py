@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
-from argparse import ArgumentParser
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -711,6 +711,15 @@ def add_run_arguments(parser: ArgumentParser, quick: str, *, no_compile: bool = 
     parser.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
     parser.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
+
+
+def run_parser(doc: str, quick: str, *, no_compile: bool = False) -> ArgumentParser:
+    """A kernel benchmark's parser: its description (`doc`'s first paragraph), ``--out``
+    (:func:`add_out_argument`) and the shared run options (:func:`add_run_arguments`)."""
+    parser = ArgumentParser(description=doc.split("\n\n")[0], formatter_class=RawDescriptionHelpFormatter)
+    add_out_argument(parser)
+    add_run_arguments(parser, quick, no_compile=no_compile)
+    return parser
 
 
 def _within(path: Path, folder: Path) -> bool:
