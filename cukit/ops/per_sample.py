@@ -406,13 +406,18 @@ def scale_rows(x: Any, factors: Any) -> Any:
     return y
 
 
-def _scale_first(x: Any, factors: Any, key: tuple) -> Any:
-    _check("scale_rows", "x", x)
+def _check_factors(fn: str, x: Any, factors: Any) -> None:
+    """TypeError unless `factors` is a contiguous (x.shape[0],) tensor of x's accumulator dtype."""
     if factors.dtype != _acc(x) or tuple(factors.shape) != (x.shape[0],) or not factors.is_contiguous():
         raise TypeError(
-            f"cukit.ops.per_sample.scale_rows: factors must be a contiguous ({x.shape[0]},) tensor of dtype "
+            f"cukit.ops.per_sample.{fn}: factors must be a contiguous ({x.shape[0]},) tensor of dtype "
             f"{_acc(x)}; got {factors.dtype} of shape {tuple(factors.shape)}"
         )
+
+
+def _scale_first(x: Any, factors: Any, key: tuple) -> Any:
+    _check("scale_rows", "x", x)
+    _check_factors("scale_rows", x, factors)
     B = x.shape[0]
     n = math.prod(x.shape[1:])
     if B == 0 or n == 0:
@@ -462,11 +467,7 @@ def weighted_sum(ps: Any, factors: Any, out: Any = None) -> Any:
 
 def _wsum_first(ps: Any, factors: Any, out: Any, key: tuple) -> Any:
     _check("weighted_sum", "ps", ps)
-    if factors.dtype != _acc(ps) or tuple(factors.shape) != (ps.shape[0],) or not factors.is_contiguous():
-        raise TypeError(
-            f"cukit.ops.per_sample.weighted_sum: factors must be a contiguous ({ps.shape[0]},) tensor of dtype "
-            f"{_acc(ps)}; got {factors.dtype} of shape {tuple(factors.shape)}"
-        )
+    _check_factors("weighted_sum", ps, factors)
     if out.shape != ps.shape[1:] or out.dtype not in (ps.dtype, _acc(ps)) or not out.is_contiguous():
         raise ValueError(
             f"cukit.ops.per_sample.weighted_sum: out must be a contiguous tensor of shape {tuple(ps.shape[1:])} and "
