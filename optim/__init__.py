@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from cukit.optim.adam import Adam, AdamW
     from cukit.optim.lamb import LAMB
     from cukit.optim.lion import Lion
+    from cukit.optim.lowbit import Adam8bit, AdamW4bit, AdamW8bit, Lion8bit, SGD8bit
     from cukit.optim.sgd import SGD
     from cukit.optim.shampoo import Shampoo
     from cukit.optim.utils import clip_grad_norm_, multi_tensor_l2norm, nonfinite_flag
@@ -33,6 +34,12 @@ _EXPORTS: dict[str, str] = {
     "AdamW": "cukit.optim.adam",
     "LAMB": "cukit.optim.lamb",
     "Lion": "cukit.optim.lion",
+    "Adam8bit": "cukit.optim.lowbit",
+    "AdamW8bit": "cukit.optim.lowbit",
+    "AdamW4bit": "cukit.optim.lowbit",
+    "Lion8bit": "cukit.optim.lowbit",
+    "SGD8bit": "cukit.optim.lowbit",
+    "lowbit": "cukit.optim.lowbit",
     "SGD": "cukit.optim.sgd",
     "Shampoo": "cukit.optim.shampoo",
     "clip_grad_norm_": "cukit.optim.utils",
@@ -51,7 +58,7 @@ def __getattr__(name: str) -> Any:
         if e.name == "torch":
             raise ImportError("cukit.optim needs torch: pip install 'cukit[torch]'") from None
         raise
-    value = module if name == "functional" else getattr(module, name)
+    value = module if name in ("functional", "lowbit") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -64,9 +71,14 @@ __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "Adam8bit",
     "AdamW",
+    "AdamW4bit",
+    "AdamW8bit",
     "Lion",
+    "Lion8bit",
     "MultiTensorOptimizer",
+    "SGD8bit",
     "Shampoo",
     "clip_grad_norm_",
     "functional",

@@ -53,6 +53,7 @@ class _Plan:
     hp_values: tuple[float, ...] = ()
     member_gids: list[int] = field(default_factory=list)  # the param group of each tensor
     scratch: dict[str, Any] = field(default_factory=dict)
+    extra: tuple[Any, ...] = ()  # appended to the update kernel's arguments (quantised: code tables)
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -158,8 +159,35 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
         raise NotImplementedError
 
+    def _param_variant(self, p: Tensor) -> tuple[Any, ...]:
+        """Per-parameter compile-time choices (appended to the group's :meth:`_variant`)."""
+        return ()
+
+    def _plan_state_keys(self, group: dict[str, Any], variant: tuple[Any, ...]) -> tuple[str, ...]:
+        """The state lists of a launch with this variant (default :meth:`_state_keys`)."""
+        return self._state_keys(group)
+
+    def _state_dtype_for(self, p: Tensor, key: str, sdt: torch.dtype) -> torch.dtype:
+        """The dtype state `key` of `p` is kept in (default: the launch's state dtype)."""
+        return sdt
+
     def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
         return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)  # DTensor p: sharded
+
+    def _make_masters(self, params: list[Tensor]) -> list[Tensor]:
+        """The master-weight list of a launch: float32 copies (``state[p]["master_param"]``)."""
+        masters = []
+        for p in params:
+            m = self.state[p].get("master_param")
+            if m is None or m.dtype != torch.float32 or m.device != p.device or not m.is_contiguous():
+                m = (p if m is None else m).detach().to(torch.float32, copy=True).contiguous()
+                self.state[p]["master_param"] = m
+            masters.append(m)
+        return masters
+
+    def _divisors(self, plan: _Plan) -> list[int] | None:
+        """Each list's element ratio in the launch's tensor table (None: all 1)."""
+        return None
 
     def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -192,20 +220,23 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 self._make_flat_grads()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts floating state to the parameter's dtype; float32 masters and states of
-        # another dtype keep theirs here.
+        # torch casts state to the parameter's dtype; float32 masters, states of another dtype and
+        # integer states (quantised codes) keep theirs here.
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         keep: dict[int, dict[str, Tensor]] = {}
         for i in ids:
             st = saved.get(i, {})
             keep[i] = {
-                k: v for k, v in st.items() if isinstance(v, Tensor) and k != "step" and v.is_floating_point()
+                k: v for k, v in st.items() if isinstance(v, Tensor) and k != "step"
             }
         super().load_state_dict(state_dict)
         for i, p in zip(ids, self._all, strict=False):
             for k, v in keep.get(i, {}).items():
-                target = torch.float32 if k == "master_param" else (self._state_dtype or v.dtype)
+                if k == "master_param":
+                    target = torch.float32
+                else:
+                    target = (self._state_dtype or v.dtype) if v.is_floating_point() else v.dtype
                 self.state[p][k] = v.to(device=p.device, dtype=target, copy=True)
         self._invalidate()
 
@@ -341,7 +372,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                     f"cukit.optim: parameters of dtype {pname} with state_dtype {sname} are not supported; "
                     f"supported (param, state): {sorted({(a, b) for a, b, _ in COMBOS})}"
                 )
-            k = (p.device, pname, sname, master, self._variant(group))
+            k = (p.device, pname, sname, master, self._variant(group) + self._param_variant(p))
             parts.setdefault(k, []).append((gi, p))
         plans: list[_Plan] = []
         for (_, pname, sname, master, variant), members in parts.items():
@@ -378,29 +409,23 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         states: dict[str, list[Tensor]] = {}
         group0 = self.param_groups[gids[0]]
         fresh: list[bool] = []
-        for key in self._state_keys(group0):
+        keys = self._plan_state_keys(group0, variant)
+        for key in keys:
             lst = []
             for gi, p in members:
                 st = self.state[p]
                 v = st.get(key)
-                if key == self._state_keys(group0)[0]:
+                if key == keys[0]:
                     fresh.append(v is None)
+                want = self._state_dtype_for(p, key, sdt)
                 if v is None:
-                    v = self._new_state(p, key, self.param_groups[gi], sdt)
-                elif v.dtype != sdt or v.device != p.device or not v.is_contiguous():
-                    v = v.to(device=p.device, dtype=sdt, memory_format=torch.contiguous_format)
+                    v = self._new_state(p, key, self.param_groups[gi], want)
+                elif v.dtype != want or v.device != p.device or not v.is_contiguous():
+                    v = v.to(device=p.device, dtype=want, memory_format=torch.contiguous_format)
                 st[key] = v
                 lst.append(v)
             states[key] = lst
-        masters = None
-        if master:
-            masters = []
-            for p in params:
-                m = self.state[p].get("master_param")
-                if m is None or m.dtype != torch.float32 or m.device != p.device or not m.is_contiguous():
-                    m = (p if m is None else m).detach().to(torch.float32, copy=True).contiguous()
-                    self.state[p]["master_param"] = m
-                masters.append(m)
+        masters = self._make_masters(params) if master else None
         plan = _Plan(gids, params, grads, states, masters, pname, sname, variant)  # type: ignore[arg-type]
         plan.member_gids = [gi for gi, _ in members]
         plan.scratch["fresh"] = torch.tensor(fresh or [False] * len(params))
@@ -414,7 +439,9 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             return plan
         local = {gi: i for i, gi in enumerate(gids)}
         lists = [plan.params, plan.grads, *plan.states.values(), *([plan.masters] if masters is not None else [])]
-        plan.table = eng.TensorTable(lists, [local[gi] for gi, _ in members])  # type: ignore[arg-type]
+        plan.table = eng.TensorTable(  # type: ignore[arg-type]
+            lists, [local[gi] for gi, _ in members], divisors=self._divisors(plan)
+        )
         device = params[0].device
         if self._has_step:
             plan.steps = _gather_steps([self.state[p]["step"] for p in params], device)

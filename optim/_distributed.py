@@ -156,18 +156,21 @@ def localize_plan(opt: MultiTensorOptimizer, plan: _Plan, kernels: bool) -> None
             )
         grads.append(local(g))
     plan.grads = grads
-    names = [*plan.states, *(["master_param"] if plan.masters is not None else [])]
+    mkey = "master_residual" if getattr(opt, "_residual", False) else "master_param"
+    names = [*plan.states, *([mkey] if plan.masters is not None else [])]
     lists: dict[str, list[Tensor]] = {k: [] for k in names}
     for p in params:
         st = opt.state[p]
         for k in names:
             v = st[k]
-            if is_dtensor(p):
+            # a state laid out like the parameter is sharded like it; others (the block scales of
+            # quantised states, packed 4-bit codes) are this rank's own, of its local shard
+            if is_dtensor(p) and (is_dtensor(v) or v.shape == p.shape):
                 v = st[k] = _shard_like(v, p)
             lists[k].append(local(v))
     plan.states = {k: lists[k] for k in plan.states}
     if plan.masters is not None:
-        plan.masters = lists["master_param"]
+        plan.masters = lists[mkey]
     if kernels:
         for i, t in enumerate(plan.params):
             if not (t.is_contiguous() and plan.grads[i].is_contiguous()):

@@ -39,9 +39,11 @@ class TensorTable:
 
     Args:
         lists: L sequences of T contiguous tensors on one CUDA device; tensor t of every list has
-            the same number of elements (a param, its grad, its states).
+            the same number of elements (a param, its grad, its states), or ceil(n / divisors[l])
+            for a list with a divisor (quantised states: 4-bit codes 2, block scales the block).
         groups: the launch-local group index (0 ... 7) of each tensor: which hyperparameters it uses.
-        chunk: elements per work item (a multiple of K_VEC).
+        chunk: elements per work item (a multiple of K_VEC and of every divisor).
+        divisors: each list's element ratio (default all 1).
 
     Attributes: ``table`` (the int64 device tensor), ``T``, ``C`` (chunks), ``chunk``, ``numel``,
     ``block`` and ``grid`` (the launch shape), ``device`` (index), ``nbytes_per_elem`` (bytes the
@@ -49,13 +51,23 @@ class TensorTable:
     """
 
     def __init__(
-        self, lists: Sequence[Sequence[torch.Tensor]], groups: Sequence[int], *, chunk: int = DEFAULT_CHUNK
+        self,
+        lists: Sequence[Sequence[torch.Tensor]],
+        groups: Sequence[int],
+        *,
+        chunk: int = DEFAULT_CHUNK,
+        divisors: Sequence[int] | None = None,
     ) -> None:
         if not lists or not lists[0]:
             raise ValueError("a tensor table needs at least one list of at least one tensor")
         if chunk <= 0 or chunk % K_VEC:
             raise ValueError(f"chunk must be a positive multiple of {K_VEC}; got {chunk}")
         L, T = len(lists), len(lists[0])
+        div = [1] * L if divisors is None else [int(d) for d in divisors]
+        if len(div) != L or min(div) < 1 or div[0] != 1:
+            raise ValueError(f"divisors needs {L} entries >= 1, the first 1; got {divisors}")
+        if any(chunk % d for d in div):
+            raise ValueError(f"chunk ({chunk}) must be a multiple of every divisor ({div})")
         first = lists[0][0]
         device = first.device
         if device.type != "cuda":
@@ -71,9 +83,11 @@ class TensorTable:
                     raise ValueError(
                         f"list {li}, tensor {ti} is on {t.device}; the table's device is {device}"
                     )
-                if t.numel() != sizes[ti]:
+                want = -(-int(sizes[ti]) // div[li])
+                if t.numel() != want:
                     raise ValueError(
                         f"list {li}, tensor {ti} has {t.numel()} elements; list 0's has {sizes[ti]}"
+                        + (f", so list {li} (one element per {div[li]}) needs {want}" if div[li] > 1 else "")
                     )
                 if not t.is_contiguous():
                     raise ValueError(
@@ -81,16 +95,17 @@ class TensorTable:
                     )
             addr[li] = np.fromiter((t.data_ptr() for t in lst), dtype=np.int64, count=T)
             itemsizes.append(lst[0].element_size())
-        host, C, aligned = host_layout(addr, sizes, itemsizes, groups, chunk)
+        host, C, aligned = host_layout(addr, sizes, itemsizes, groups, chunk, div)
         self.host = host  # kept for inspection and the tests; the device copy is what kernels read
         self.table = torch.from_numpy(host).to(device)
         self.L, self.T, self.C, self.chunk = L, T, C, chunk
         self.itemsizes = itemsizes
+        self.divisors = div
         self.numel = int(sizes.sum())
         self.sizes = sizes
         self.aligned = aligned
         self.device = device.index if device.index is not None else torch.cuda.current_device()
-        self.nbytes_per_elem = sum(lst[0].element_size() for lst in lists)
+        self.nbytes_per_elem = sum(lst[0].element_size() / d for lst, d in zip(lists, div, strict=True))
         vectors_per_chunk = self.numel / max(C, 1) / K_VEC
         self.block = int(
             min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(vectors_per_chunk, 1))))))
@@ -107,15 +122,13 @@ class TensorTable:
         if len(tensors) != T:
             raise ValueError(f"list {li} needs {T} tensors; got {len(tensors)}")
         for ti, t in enumerate(tensors):
-            if (t.device != device or t.numel() != self.sizes[ti] or not t.is_contiguous()
+            if (t.device != device or t.numel() != -(-int(self.sizes[ti]) // self.divisors[li]) or not t.is_contiguous()
                     or t.element_size() != self.itemsizes[li]):
                 raise ValueError(f"list {li}, tensor {ti} does not fit the table (numel, device, itemsize, layout)")
         L, host = self.L, self.host
         addr = host[: L * T].reshape(L, T)
         addr[li] = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=T)
-        aligned = np.ones(T, dtype=bool)
-        for lj in range(L):
-            aligned &= addr[lj] % (K_VEC * self.itemsizes[lj]) == 0
+        aligned = _aligned(addr, self.itemsizes, self.divisors)
         info = host[(L + 1) * T : (L + 2) * T]
         info[:] = (info & ~np.int64(ALIGNED_BIT)) | np.where(aligned, ALIGNED_BIT, 0)
         self.aligned = aligned
@@ -127,15 +140,28 @@ class TensorTable:
         return w >> 32, (w & 0xFFFFFFFF) * self.chunk
 
 
+def _aligned(addr: np.ndarray, itemsizes: Sequence[int], divisors: Sequence[int]) -> np.ndarray:
+    """Per tensor: every list holds kVec of the tensor's elements at aligned addresses (K_VEC
+    elements' worth of each list's storage: K_VEC * itemsize / divisor bytes, at least one item)."""
+    aligned = np.ones(addr.shape[1], dtype=bool)
+    for li in range(addr.shape[0]):
+        aligned &= addr[li] % max(itemsizes[li], K_VEC * itemsizes[li] // divisors[li]) == 0
+    return aligned
+
+
 def host_layout(
-    addr: np.ndarray, sizes: np.ndarray, itemsizes: Sequence[int], groups: Sequence[int], chunk: int
+    addr: np.ndarray,
+    sizes: np.ndarray,
+    itemsizes: Sequence[int],
+    groups: Sequence[int],
+    chunk: int,
+    divisors: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, int, np.ndarray]:
     """The int64 table of multi_tensor.cuh from addresses (L, T), sizes (T,), each list's itemsize
-    and each tensor's launch-local group. Returns (table, number of chunks, aligned flags)."""
+    (and element divisor: list l holds ceil(size / divisors[l]) items) and each tensor's
+    launch-local group. Returns (table, number of chunks, aligned flags)."""
     L, T = addr.shape
-    aligned = np.ones(T, dtype=bool)
-    for li in range(L):
-        aligned &= addr[li] % (K_VEC * itemsizes[li]) == 0
+    aligned = _aligned(addr, itemsizes, divisors or [1] * L)
     g = np.asarray(groups, dtype=np.int64)
     if len(g) != T:
         raise ValueError(f"groups has {len(g)} entries for {T} tensors")

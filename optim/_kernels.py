@@ -57,6 +57,24 @@ def _groups(make: object) -> dict[str, list[str]]:
     return out
 
 
+# Blockwise-quantised states (optim/lowbit.py): parameter dtype, code bits, master weights (0 none,
+# 1 float32 copy for 16-bit parameters, 2 int8 residual for bfloat16 ones).
+LOWBIT_DTYPES = ("float32", "float16", "bfloat16")
+LOWBIT_BITS = (8, 4)
+
+
+def lowbit_masters(param: str) -> tuple[int, ...]:
+    """The master-weight modes the quantised kernels are built for with parameters of `param`."""
+    return {"float32": (0,), "float16": (0, 1), "bfloat16": (0, 1, 2)}[param]
+
+
+def _lowbit(make: object) -> dict[str, list[str]]:
+    return {
+        f"lowbit/{p}": [x for bits in LOWBIT_BITS for m in lowbit_masters(p) for x in make(_c(p), bits, m)]  # type: ignore[operator]
+        for p in LOWBIT_DTYPES
+    }
+
+
 ADAM = KernelModule(
     "adam.cu",
     instantiations={
@@ -67,24 +85,37 @@ ADAM = KernelModule(
                 for dec in ("false", "true")
             ]
         ),
+        **_lowbit(lambda p, b, m: [f"adam_qstep<{p}, {b}, {m}, {d}>" for d in ("false", "true")]),
         "steps": ["cukit::mt::mt_count_step<0>"],
     },
-    signatures={"adam_step": MT_PARAMS + " ptr", "cukit::mt::mt_count_step": "ptr i64 ptr"},
+    signatures={
+        "adam_step": MT_PARAMS + " ptr",
+        "adam_qstep": MT_PARAMS + " ptr ptr",
+        "cukit::mt::mt_count_step": "ptr i64 ptr",
+    },
 )
 
 SGD = KernelModule(
     "sgd.cu",
     instantiations={
         **_groups(lambda p, s, m: [f"sgd_step<{p}, {s}, {mom}, {m}>" for mom in ("false", "true")]),
+        **_lowbit(lambda p, b, m: [f"sgd_qstep<{p}, {b}, {m}>"]),
         "steps": ["cukit::mt::mt_count_step<0>"],
     },
-    signatures={"sgd_step": MT_PARAMS + " ptr", "cukit::mt::mt_count_step": "ptr i64 ptr"},
+    signatures={
+        "sgd_step": MT_PARAMS + " ptr",
+        "sgd_qstep": MT_PARAMS + " ptr ptr",
+        "cukit::mt::mt_count_step": "ptr i64 ptr",
+    },
 )
 
 LION = KernelModule(
     "lion.cu",
-    instantiations=_groups(lambda p, s, m: [f"lion_step<{p}, {s}, {m}>"]),
-    signatures={"lion_step": MT_PARAMS},
+    instantiations={
+        **_groups(lambda p, s, m: [f"lion_step<{p}, {s}, {m}>"]),
+        **_lowbit(lambda p, b, m: [f"lion_qstep<{p}, {b}, {m}>"]),
+    },
+    signatures={"lion_step": MT_PARAMS, "lion_qstep": MT_PARAMS + " ptr"},
 )
 
 ADAGRAD = KernelModule(

@@ -137,7 +137,7 @@ class Adam(MultiTensorOptimizer):
             )
         args = self._common_args(plan, common)
         eng.launch_count(ADAM, plan.steps, common["skip"])  # type: ignore[arg-type]
-        eng.launch_update(ADAM, name, plan.table, extra=(plan.steps,), **args)  # type: ignore[arg-type]
+        eng.launch_update(ADAM, name, plan.table, extra=(plan.steps, *plan.extra), **args)  # type: ignore[arg-type]
 
     def _reference(
         self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None

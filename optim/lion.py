@@ -74,7 +74,7 @@ class Lion(MultiTensorOptimizer):
             name = plan.scratch["kernel"] = (
                 f"lion_step<{DTYPES[plan.pname].ctype}, {DTYPES[plan.sname].ctype}, {m}>"
             )
-        eng.launch_update(LION, name, plan.table, **self._common_args(plan, common))  # type: ignore[arg-type]
+        eng.launch_update(LION, name, plan.table, extra=plan.extra, **self._common_args(plan, common))  # type: ignore[arg-type]
 
     def _reference(
         self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None

@@ -126,7 +126,7 @@ class SGD(MultiTensorOptimizer):
         args = self._common_args(plan, common)
         if counts is not None:
             eng.launch_count(SGD_KERNELS, counts, common["skip"])
-        eng.launch_update(SGD_KERNELS, name, plan.table, extra=(counts,), **args)  # type: ignore[arg-type]
+        eng.launch_update(SGD_KERNELS, name, plan.table, extra=(counts, *plan.extra), **args)  # type: ignore[arg-type]
 
     def _reference(
         self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None

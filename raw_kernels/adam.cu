@@ -4,6 +4,10 @@
 //   p -= lr / (1 - b1^t) * m / (sqrt(v or vmax) / sqrt(1 - b2^t) + eps)
 // Host side and the plain-torch reference with the same maths: optim/adam.py, optim/_reference.py.
 // Lists: 0 param P, 1 grad P, 2 exp_avg S, 3 exp_avg_sq S, [max_exp_avg_sq S], [master float].
+// adam_qstep (AdamW8bit, Adam8bit, AdamW4bit: optim/lowbit.py) keeps exp_avg and exp_avg_sq as
+// blockwise-quantised states (multi_tensor.cuh): lists 0 param P, 1 grad P, 2 codes of exp_avg,
+// 3 its block scales, 4 codes of exp_avg_sq, 5 its scales, [6 master: float32, or int8 residual],
+// and the two code tables (signed map for exp_avg, unsigned for exp_avg_sq) in `qtables`.
 // With a master, the maths reads and writes the float32 master and stores its rounding in param.
 // hp per group: beta1, beta2, eps, weight_decay, sign (-1 to maximize).
 #include <cukit/multi_tensor.cuh>
@@ -41,6 +45,23 @@ template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED> str
     return c;
   }
 
+  // One element: the maths of every Adam launch, full-precision or quantised states.
+  template <bool AMS>
+  __device__ static __forceinline__ void update(A& w, A g, A& m, A& v, A& vmax, const Ctx& c) {
+    A gk = c.sign * g * c.gmul;
+    if constexpr (DECOUPLED) w *= c.decay;
+    else gk += c.wd * w;
+    m += (A(1) - c.b1) * (gk - m);
+    v = c.b2 * v + (A(1) - c.b2) * gk * gk;
+    A vk = v;
+    if constexpr (AMS) {
+      vmax = max(vmax, v);
+      vk = vmax;
+    }
+    const A denom = sqrt(vk) / c.bc2_sqrt + c.eps;
+    w -= c.step_size * (m / denom);
+  }
+
   template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
     A w[N], g[N], m[N], v[N], vmax[N];
     if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
@@ -50,20 +71,7 @@ template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED> str
     load<S, N>(p.template at<S>(3), off, v);
     if constexpr (AMSGRAD) load<S, N>(p.template at<S>(kMax), off, vmax);
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      A gk = c.sign * g[k] * c.gmul;
-      if constexpr (DECOUPLED) w[k] *= c.decay;
-      else gk += c.wd * w[k];
-      m[k] += (A(1) - c.b1) * (gk - m[k]);
-      v[k] = c.b2 * v[k] + (A(1) - c.b2) * gk * gk;
-      A vk = v[k];
-      if constexpr (AMSGRAD) {
-        vmax[k] = max(vmax[k], v[k]);
-        vk = vmax[k];
-      }
-      const A denom = sqrt(vk) / c.bc2_sqrt + c.eps;
-      w[k] -= c.step_size * (m[k] / denom);
-    }
+    for (int k = 0; k < N; ++k) update<AMSGRAD>(w[k], g[k], m[k], v[k], vmax[k], c);
     if constexpr (MASTER) store<float, N>(p.template at<float>(kMaster), off, w);
     store<P, N>(p.template at<P>(0), off, w);
     store<S, N>(p.template at<S>(2), off, m);
@@ -80,4 +88,41 @@ __global__ void __launch_bounds__(512) adam_step(CUKIT_MT_PARAMS, const float* _
   using F = AdamFunctor<P, S, AMSGRAD, MASTER, DECOUPLED>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{steps}, sh);
+}
+
+template <typename P, int BITS, int MASTER, bool DECOUPLED> struct AdamQFunctor {
+  static constexpr int L = 6 + (MASTER != 0);
+  static constexpr int E = BITS == 8 ? 8 : 4;
+  using Base = AdamFunctor<P, float, false, false, DECOUPLED>;
+  using Ctx = typename Base::Ctx;
+  Base base;
+  QCodec<BITS> q1, q2;
+
+  __device__ Ctx context(long long i, int info, const Shared& sh) const { return base.context(i, info, sh); }
+
+  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
+                                        const Ctx& c) const {
+    float w[E], g[E], m[E], v[E];
+    load_weights<P, MASTER, E>(p, 6, off, cnt, vec, w);
+    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
+    q_load<BITS, E>(p.template at<unsigned char>(2), off, cnt, vec, p.template at<float>(3)[qb], q1, m);
+    q_load<BITS, E>(p.template at<unsigned char>(4), off, cnt, vec, p.template at<float>(5)[qb], q2, v);
+#pragma unroll
+    for (int k = 0; k < E; ++k) Base::template update<false>(w[k], g[k], m[k], v[k], v[k], c);
+    q_store<BITS, E>(p.template at<unsigned char>(2), p.template at<float>(3), off, qb, cnt, vec, q1, m);
+    q_store<BITS, E>(p.template at<unsigned char>(4), p.template at<float>(5), off, qb, cnt, vec, q2, v);
+    store_weights<P, MASTER, E>(p, 6, off, cnt, vec, w);
+  }
+};
+
+template <typename P, int BITS, int MASTER, bool DECOUPLED>
+__global__ void __launch_bounds__(512)
+    adam_qstep(CUKIT_MT_PARAMS, const float* __restrict__ steps, const float* __restrict__ qtables) {
+  CUKIT_MT_PROLOGUE(sh, float);
+  __shared__ float tables[2 * kQTable];
+  load_qtables(tables, qtables, 2);
+  using F = AdamQFunctor<P, BITS, MASTER, DECOUPLED>;
+  const Table<F::L> tab{table, T, C, chunk};
+  const F f{{steps}, {tables, tables + 256}, {tables + kQTable, tables + kQTable + 256}};
+  for_each_qblock<F::L, F::E>(tab, f, sh);
 }

@@ -3,6 +3,8 @@
 //   g = sign * grad * gmul;   p = p * (1 - lr * wd) - lr * sgn(b1 m + (1 - b1) g);   m = b2 m + (1 - b2) g
 // Host side and the plain-torch reference with the same maths: optim/lion.py, optim/_reference.py.
 // Lists: 0 param P, 1 grad P, 2 exp_avg S, [master float].
+// lion_qstep (Lion8bit: optim/lowbit.py) keeps exp_avg blockwise-quantised (multi_tensor.cuh):
+// lists 0 param, 1 grad, 2 codes, 3 block scales, [4 master: float32, or int8 residual].
 // hp per group: beta1, beta2, weight_decay, sign (-1 to maximize).
 #include <cukit/multi_tensor.cuh>
 
@@ -31,6 +33,16 @@ template <typename P, typename S, bool MASTER> struct LionFunctor {
     return c;
   }
 
+  // One element: the maths of every Lion launch, full-precision or quantised state.
+  __device__ static __forceinline__ void update(A& w, A g, A& m, const Ctx& c) {
+    const A gk = c.sign * g * c.gmul;
+    const A u = c.b1 * m + (A(1) - c.b1) * gk;
+    // sgn with sgn(0) = 0 and NaN kept (torch.sign)
+    const A s = u > A(0) ? A(1) : (u < A(0) ? A(-1) : u);
+    w = w * c.decay - c.lr * s;
+    m = c.b2 * m + (A(1) - c.b2) * gk;
+  }
+
   template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
     A w[N], g[N], m[N];
     if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
@@ -38,14 +50,7 @@ template <typename P, typename S, bool MASTER> struct LionFunctor {
     load<P, N>(p.template at<P>(1), off, g);
     load<S, N>(p.template at<S>(2), off, m);
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const A gk = c.sign * g[k] * c.gmul;
-      const A u = c.b1 * m[k] + (A(1) - c.b1) * gk;
-      // sgn with sgn(0) = 0 and NaN kept (torch.sign)
-      const A s = u > A(0) ? A(1) : (u < A(0) ? A(-1) : u);
-      w[k] = w[k] * c.decay - c.lr * s;
-      m[k] = c.b2 * m[k] + (A(1) - c.b2) * gk;
-    }
+    for (int k = 0; k < N; ++k) update(w[k], g[k], m[k], c);
     if constexpr (MASTER) store<float, N>(p.template at<float>(kMaster), off, w);
     store<P, N>(p.template at<P>(0), off, w);
     store<S, N>(p.template at<S>(2), off, m);
@@ -60,4 +65,37 @@ __global__ void __launch_bounds__(512) lion_step(CUKIT_MT_PARAMS) {
   using F = LionFunctor<P, S, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{}, sh);
+}
+
+template <typename P, int BITS, int MASTER> struct LionQFunctor {
+  static constexpr int L = 4 + (MASTER != 0);
+  static constexpr int E = BITS == 8 ? 8 : 4;
+  using Base = LionFunctor<P, float, false>;
+  using Ctx = typename Base::Ctx;
+  QCodec<BITS> q1;
+
+  __device__ Ctx context(long long i, int info, const Shared& sh) const { return Base{}.context(i, info, sh); }
+
+  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
+                                        const Ctx& c) const {
+    float w[E], g[E], m[E];
+    load_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
+    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
+    q_load<BITS, E>(p.template at<unsigned char>(2), off, cnt, vec, p.template at<float>(3)[qb], q1, m);
+#pragma unroll
+    for (int k = 0; k < E; ++k) Base::update(w[k], g[k], m[k], c);
+    q_store<BITS, E>(p.template at<unsigned char>(2), p.template at<float>(3), off, qb, cnt, vec, q1, m);
+    store_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
+  }
+};
+
+template <typename P, int BITS, int MASTER>
+__global__ void __launch_bounds__(512) lion_qstep(CUKIT_MT_PARAMS, const float* __restrict__ qtables) {
+  CUKIT_MT_PROLOGUE(sh, float);
+  __shared__ float tables[kQTable];
+  load_qtables(tables, qtables, 1);
+  using F = LionQFunctor<P, BITS, MASTER>;
+  const Table<F::L> tab{table, T, C, chunk};
+  const F f{{tables, tables + 256}};
+  for_each_qblock<F::L, F::E>(tab, f, sh);
 }

@@ -7,6 +7,9 @@
 //   p -= lr * (nesterov ? g + momentum * buf : buf)           (without momentum: p -= lr * g)
 // Host side and the plain-torch reference with the same maths: optim/sgd.py, optim/_reference.py.
 // Lists: 0 param P, 1 grad P, [momentum_buffer S], [master float].
+// sgd_qstep (SGD8bit: optim/lowbit.py) keeps the momentum buffer blockwise-quantised
+// (multi_tensor.cuh): lists 0 param, 1 grad, 2 codes, 3 block scales, [4 master: float32, or int8
+// residual].
 // hp per group: momentum, dampening, weight_decay, sign (-1 to maximize), nesterov (0 or 1).
 #include <cukit/multi_tensor.cuh>
 
@@ -39,6 +42,16 @@ template <typename P, typename S, bool MOMENTUM, bool MASTER> struct SgdFunctor 
     return c;
   }
 
+  // One element: the maths of every SGD launch, full-precision or quantised momentum.
+  template <bool MOM> __device__ static __forceinline__ void update(A& w, A g, A& b, const Ctx& c) {
+    A gk = c.sign * g * c.gmul + c.wd * w;
+    if constexpr (MOM) {
+      b = c.init ? gk : c.momentum * b + c.damp1 * gk;
+      gk = c.nesterov ? gk + c.momentum * b : b;
+    }
+    w -= c.lr * gk;
+  }
+
   template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
     A w[N], g[N], b[N];
     if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
@@ -48,14 +61,7 @@ template <typename P, typename S, bool MOMENTUM, bool MASTER> struct SgdFunctor 
       if (!c.init) load<S, N>(p.template at<S>(2), off, b);
     }
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      A gk = c.sign * g[k] * c.gmul + c.wd * w[k];
-      if constexpr (MOMENTUM) {
-        b[k] = c.init ? gk : c.momentum * b[k] + c.damp1 * gk;
-        gk = c.nesterov ? gk + c.momentum * b[k] : b[k];
-      }
-      w[k] -= c.lr * gk;
-    }
+    for (int k = 0; k < N; ++k) update<MOMENTUM>(w[k], g[k], b[k], c);
     if constexpr (MASTER) store<float, N>(p.template at<float>(kMaster), off, w);
     store<P, N>(p.template at<P>(0), off, w);
     if constexpr (MOMENTUM) store<S, N>(p.template at<S>(2), off, b);
@@ -70,4 +76,39 @@ __global__ void __launch_bounds__(512) sgd_step(CUKIT_MT_PARAMS, const float* __
   using F = SgdFunctor<P, S, MOMENTUM, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
   for_each_chunk<F::L>(tab, F{counts}, sh);
+}
+
+template <typename P, int BITS, int MASTER> struct SgdQFunctor {
+  static constexpr int L = 4 + (MASTER != 0);
+  static constexpr int E = BITS == 8 ? 8 : 4;
+  using Base = SgdFunctor<P, float, true, false>;
+  using Ctx = typename Base::Ctx;
+  Base base;
+  QCodec<BITS> q1;
+
+  __device__ Ctx context(long long i, int info, const Shared& sh) const { return base.context(i, info, sh); }
+
+  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
+                                        const Ctx& c) const {
+    float w[E], g[E], b[E];
+    load_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
+    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
+    q_load<BITS, E>(p.template at<unsigned char>(2), off, cnt, vec, p.template at<float>(3)[qb], q1, b);
+#pragma unroll
+    for (int k = 0; k < E; ++k) Base::template update<true>(w[k], g[k], b[k], c);
+    q_store<BITS, E>(p.template at<unsigned char>(2), p.template at<float>(3), off, qb, cnt, vec, q1, b);
+    store_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
+  }
+};
+
+template <typename P, int BITS, int MASTER>
+__global__ void __launch_bounds__(512)
+    sgd_qstep(CUKIT_MT_PARAMS, const float* __restrict__ counts, const float* __restrict__ qtables) {
+  CUKIT_MT_PROLOGUE(sh, float);
+  __shared__ float tables[kQTable];
+  load_qtables(tables, qtables, 1);
+  using F = SgdQFunctor<P, BITS, MASTER>;
+  const Table<F::L> tab{table, T, C, chunk};
+  const F f{{counts}, {tables, tables + 256}};
+  for_each_qblock<F::L, F::E>(tab, f, sh);
 }

@@ -85,4 +85,7 @@ def test_every_declared_kernel_exists_for_every_combo() -> None:
     mods = all_modules()
     for m in (k.ADAM, k.SGD, k.LION, k.LAMB, k.ADAGRAD, k.L2NORM):
         assert m.key in mods
-    assert len(k.ADAM.all_instantiations()) == 4 * len(k.COMBOS) + 1
+    lowbit = sum(len(k.LOWBIT_BITS) * len(k.lowbit_masters(p)) for p in k.LOWBIT_DTYPES)
+    assert len(k.ADAM.all_instantiations()) == 4 * len(k.COMBOS) + 2 * lowbit + 1
+    assert len(k.SGD.all_instantiations()) == 2 * len(k.COMBOS) + lowbit + 1
+    assert len(k.LION.all_instantiations()) == len(k.COMBOS) + lowbit

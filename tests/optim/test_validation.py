@@ -97,6 +97,22 @@ SPECIFIC["AdamW"] = SPECIFIC["Adam"]
 
 BAD = [(name, *case) for name in OPTIMIZERS for case in COMMON + SPECIFIC[name]]
 
+# the 8-bit and 4-bit optimizers (tests/optim/test_lowbit.py): their twin's checks, and state_dtype
+# refused outright (the states are quantised)
+LOWBIT = {"AdamW8bit": "AdamW", "Adam8bit": "Adam", "AdamW4bit": "AdamW", "Lion8bit": "Lion", "SGD8bit": "SGD"}
+_SGD8 = [c for c in SPECIFIC["SGD"] if "nesterov" not in c[0] or "momentum" in c[0]]  # momentum defaults to 0.9
+BAD += [
+    (name, *case)
+    for name, twin in LOWBIT.items()
+    for case in COMMON + (_SGD8 if twin == "SGD" else SPECIFIC[twin])
+]
+BAD += [
+    ("SGD8bit", {"momentum": 0.0}, ValueError, "momentum"),
+    ("AdamW8bit", {"min_8bit_size": "4096"}, TypeError, "min_8bit_size"),
+    ("AdamW8bit", {"master_weights": "bf16"}, ValueError, "master_weights"),
+    ("AdamW8bit", {"amsgrad": True}, ValueError, "amsgrad"),
+]
+
 
 def params(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     return [
@@ -111,7 +127,7 @@ def test_every_exported_optimizer_is_covered() -> None:
         for n in co.__all__
         if isinstance(getattr(co, n), type) and issubclass(getattr(co, n), co.MultiTensorOptimizer)
     }
-    assert exported - {"MultiTensorOptimizer"} == set(OPTIMIZERS)
+    assert exported - {"MultiTensorOptimizer"} == set(OPTIMIZERS) | set(LOWBIT)
 
 
 @pytest.mark.parametrize(

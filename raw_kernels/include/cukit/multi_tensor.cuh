@@ -164,6 +164,223 @@ template <typename T, int N, typename A> __device__ __forceinline__ void store(T
   store_vec<T, N>(base + off, v);
 }
 
+// ---------------------------------------------------------------- blockwise-quantised states
+// A state kept in BITS bits per element (8, or 4 packed two per byte, low nibble first) with one
+// float scale per block of QB = 32 * E elements: value = code[c] * absmax[block], where code is a
+// sorted table of 2^BITS values in [-1, 1] (bitsandbytes' dynamic map, or a linear one) and absmax
+// the block's largest |value| after the update. In a tensor table such a state is two lists: the
+// codes (numel / (8 / BITS) bytes) and the scales (ceil(numel / QB) floats); TensorTable's
+// `divisors` give each list its element ratio. Encoding picks the nearest code, ties to the lower,
+// by a branchless binary search over the 2^BITS - 1 midpoints of neighbouring codes (the host
+// reference does the same with torch.searchsorted over the same float32 midpoints), so the
+// kernels and the reference agree bit for bit on the same input. A NaN anywhere in a block makes
+// its scale NaN (the block decodes to NaN, as a float32 state would carry it).
+constexpr int kQTable = 512;  // floats per state in a code table: code[0, 256), midpoints [256, 511)
+
+template <int BITS> struct QCodec {
+  static constexpr int kCodes = 1 << BITS;
+  const float* code;  // shared memory
+  const float* mid;
+
+  __device__ __forceinline__ unsigned int encode(float xn) const {
+    unsigned int lo = 0;
+#pragma unroll
+    for (unsigned int s = kCodes / 2; s >= 1; s >>= 1)
+      if (mid[lo + s - 1] < xn) lo += s;
+    return lo;
+  }
+};
+
+// Copies `n` code tables (kQTable floats each) to shared memory; every thread calls it.
+__device__ __forceinline__ void load_qtables(float* dst, const float* __restrict__ src, int n) {
+  for (int i = threadIdx.x; i < n * kQTable; i += blockDim.x) dst[i] = src[i];
+  __syncthreads();
+}
+
+// The largest |x[k]| of the lane's first `cnt` values, reduced over the warp; NaN wins.
+template <int E> __device__ __forceinline__ float warp_absmax(const float (&x)[E], int cnt) {
+  float a = 0.f;
+#pragma unroll
+  for (int k = 0; k < E; ++k) {
+    const float v = fabsf(x[k]);
+    if (k < cnt && !(v <= a)) a = v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float b = __shfl_xor_sync(0xffffffffu, a, o);
+    if (!(b <= a)) a = b;
+  }
+  return a;
+}
+
+// Element loads and stores of a lane's E consecutive elements, `cnt` of them valid (cnt < E only
+// at a tensor's end); `vec` when the tensor's lists are aligned (kVec elements at a time).
+template <typename T, int E, typename A>
+__device__ __forceinline__ void load_part(const T* base, long long off, int cnt, bool vec, A (&x)[E]) {
+  if (vec && cnt == E) {
+#pragma unroll
+    for (int j = 0; j < E; j += kVec) {
+      A y[kVec];
+      load<T, kVec>(base, off + j, y);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[j + k] = y[k];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[k] = k < cnt ? to_acc<A>(base[off + k]) : A(0);
+  }
+}
+
+template <typename T, int E, typename A>
+__device__ __forceinline__ void store_part(T* base, long long off, int cnt, bool vec, const A (&x)[E]) {
+  if (vec && cnt == E) {
+#pragma unroll
+    for (int j = 0; j < E; j += kVec) {
+      A y[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) y[k] = x[j + k];
+      store<T, kVec>(base, off + j, y);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k)
+      if (k < cnt) base[off + k] = from_acc<T>(x[k]);
+  }
+}
+
+// Decodes the lane's E values of a quantised state (codes at element offset `off`, scale `absmax`).
+template <int BITS, int E>
+__device__ __forceinline__ void q_load(const unsigned char* codes, long long off, int cnt, bool vec, float absmax,
+                                       const QCodec<BITS>& q, float (&x)[E]) {
+  static_assert(BITS == 8 || BITS == 4, "8- or 4-bit codes");
+  unsigned int c[E];
+  if constexpr (BITS == 8) {
+    if (vec && cnt == E) {
+#pragma unroll
+      for (int j = 0; j < E; j += 4) {
+        const unsigned int w = *reinterpret_cast<const unsigned int*>(codes + off + j);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c[j + k] = (w >> (8 * k)) & 0xffu;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < E; ++k) c[k] = k < cnt ? codes[off + k] : 0u;
+    }
+  } else {
+    const unsigned char* b = codes + off / 2;  // off is a multiple of E (even)
+#pragma unroll
+    for (int k = 0; k < E; k += 2) {
+      const unsigned int w = k < cnt ? b[k / 2] : 0u;
+      c[k] = w & 0xfu;
+      c[k + 1] = w >> 4;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < E; ++k) x[k] = k < cnt ? q.code[c[k]] * absmax : 0.f;
+}
+
+// Encodes the lane's E values with the warp's new scale (every lane of the warp calls it, cnt may
+// be 0); lane 0 writes the scale of block `qb`.
+template <int BITS, int E>
+__device__ __forceinline__ void q_store(unsigned char* codes, float* scales, long long off, long long qb, int cnt,
+                                        bool vec, const QCodec<BITS>& q, const float (&x)[E]) {
+  const float absmax = warp_absmax<E>(x, cnt);
+  if ((threadIdx.x & 31) == 0) scales[qb] = absmax;
+  unsigned int c[E];
+#pragma unroll
+  for (int k = 0; k < E; ++k) c[k] = q.encode(absmax > 0.f ? x[k] / absmax : 0.f);
+  if constexpr (BITS == 8) {
+    if (vec && cnt == E) {
+#pragma unroll
+      for (int j = 0; j < E; j += 4)
+        *reinterpret_cast<unsigned int*>(codes + off + j) = c[j] | (c[j + 1] << 8) | (c[j + 2] << 16) | (c[j + 3] << 24);
+    } else {
+#pragma unroll
+      for (int k = 0; k < E; ++k)
+        if (k < cnt) codes[off + k] = static_cast<unsigned char>(c[k]);
+    }
+  } else {
+    unsigned char* b = codes + off / 2;
+#pragma unroll
+    for (int k = 0; k < E; k += 2)  // an odd count's last byte keeps 0 in its unused high nibble
+      if (k < cnt) b[k / 2] = static_cast<unsigned char>(c[k] | ((k + 1 < cnt ? c[k + 1] : 0u) << 4));
+  }
+}
+
+// The weights a quantised launch updates (MASTER): 0 the parameter itself; 1 a float32 master copy
+// in list kMaster (the parameter receives its rounding); 2 a bfloat16 parameter plus an int8
+// residual in list kMaster, w = p + r ulp(p) / 254: bf16's 8 significant bits and 8 more, so a
+// weight costs 3 bytes instead of 2 + 4 (the host reference: optim/lowbit.py).
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+__device__ __forceinline__ float bf16_ulp(__nv_bfloat16 x) {
+  const int e = (__bfloat16_as_ushort(x) >> 7) & 0xff;  // float's biased exponent; 0: zero or subnormal
+  return ldexpf(1.f, max(e, 1) - 134);
+}
+
+template <typename P, int MASTER, int E, int L>
+__device__ __forceinline__ void load_weights(const Ptrs<L>& p, int kMaster, long long off, int cnt, bool vec,
+                                             float (&w)[E]) {
+  if constexpr (MASTER == 1) {
+    load_part<float, E>(p.template at<float>(kMaster), off, cnt, vec, w);
+  } else {
+    load_part<P, E>(p.template at<P>(0), off, cnt, vec, w);
+    if constexpr (MASTER == 2) {
+      static_assert(same_type<P, __nv_bfloat16>::value, "residual master weights are for bfloat16 parameters");
+      const signed char* r = p.template at<signed char>(kMaster);
+      const P* q = p.template at<P>(0);
+#pragma unroll
+      for (int k = 0; k < E; ++k)
+        if (k < cnt) w[k] += static_cast<float>(r[off + k]) * (bf16_ulp(q[off + k]) * (1.f / 254.f));
+    }
+  }
+}
+
+template <typename P, int MASTER, int E, int L>
+__device__ __forceinline__ void store_weights(const Ptrs<L>& p, int kMaster, long long off, int cnt, bool vec,
+                                              const float (&w)[E]) {
+  if constexpr (MASTER == 1) store_part<float, E>(p.template at<float>(kMaster), off, cnt, vec, w);
+  store_part<P, E>(p.template at<P>(0), off, cnt, vec, w);
+  if constexpr (MASTER == 2) {
+    signed char* r = p.template at<signed char>(kMaster);
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      if (k < cnt) {
+        const __nv_bfloat16 b = __float2bfloat16_rn(w[k]);
+        const float e = (w[k] - __bfloat162float(b)) / bf16_ulp(b) * 254.f;
+        r[off + k] = static_cast<signed char>(isfinite(e) ? fminf(fmaxf(rintf(e), -127.f), 127.f) : 0.f);
+      }
+    }
+  }
+}
+
+// The traversal of launches with quantised states: each chunk (a multiple of QB elements, so no
+// block straddles two) is cut into its QB-element blocks, one warp per block, E consecutive
+// elements per lane. F provides context() as for for_each_chunk and
+//   __device__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb, const Ctx& c) const;
+// called by every lane of the warp (cnt in [0, E]; qb the block's index within the tensor).
+template <int L, int E, typename F>
+__device__ __forceinline__ void for_each_qblock(const Table<L>& tab, const F& f, const Shared& sh) {
+  constexpr int QB = 32 * E;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (long long c = blockIdx.x; c < tab.C; c += gridDim.x) {
+    const Chunk k = chunk_at(tab, c);
+    Ptrs<L> p;
+#pragma unroll
+    for (int l = 0; l < L; ++l) p.p[l] = reinterpret_cast<void*>(tab.addr(l, k.tensor));
+    const typename F::Ctx ctx = f.context(k.tensor, k.info, sh);
+    const bool vec = (k.info & kAlignedBit) != 0;
+    const long long blocks = (k.n + QB - 1) / QB;
+    for (long long b = warp; b < blocks; b += warps) {
+      const long long first = k.start + b * QB, off = first + lane * E;
+      const long long rem = k.start + k.n - off;
+      const int cnt = rem <= 0 ? 0 : (rem >= E ? E : static_cast<int>(rem));
+      f.apply(p, off, cnt, vec, first / QB, ctx);
+    }
+  }
+}
+
 // Counts a step: steps[i] += 1 for each of the n tensors, unless *skip != 0 (torch keeps a step
 // count per parameter, as a float32 scalar; these are its storage, see TensorTable.steps).
 template <int Unused> __global__ void mt_count_step(float* __restrict__ steps, long long n, const float* __restrict__ skip) {

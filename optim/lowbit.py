@@ -1,0 +1,511 @@
+"""Optimizers with 8-bit and 4-bit states: AdamW8bit, Adam8bit, Lion8bit, SGD8bit and AdamW4bit.
+
+Each keeps its float32 twin's maths (:class:`~cukit.optim.AdamW`, ...) and stores the states
+blockwise-quantised: per block of 256 elements (8-bit) or 128 (4-bit), the codes of the values
+divided by the block's largest magnitude ``absmax``, on bitsandbytes' dynamic map (signed for
+first moments and momentum, unsigned for second moments; the 4-bit second moment uses the linear
+map ``k / 16``, k = 1..16, which has no zero). A step decodes, updates in float32 and re-encodes
+in the same single launch over every tensor (the multi-tensor engine, with the codes and the scales
+as two more lists per state: raw_kernels/include/cukit/multi_tensor.cuh). Tensors whose parameter
+has fewer than ``min_8bit_size`` elements (the parameter's global size: a DTensor shard does not
+change it) keep float32 states and run the twin's float32 kernel in a second launch.
+
+State per parameter, under bitsandbytes' names so its state_dicts load here and
+(:func:`to_bitsandbytes`) ours there: ``state1``/``state2`` (uint8 codes in the parameter's shape
+for 8-bit; packed two per byte, ``ceil(n / 2)``, for 4-bit; float32 below ``min_8bit_size``),
+``absmax1``/``absmax2`` (float32, one per block), ``qmap1``/``qmap2`` (the 256- or 16-entry code
+tables), ``step``. ``master_weights=True`` keeps a float32 copy of 16-bit parameters
+(``master_param``); ``master_weights="residual"`` keeps bfloat16 parameters plus an int8 residual
+(``master_residual``, ``w = p + r ulp(p) / 254``): AdamW8bit then takes 2 + 1 + 2 bytes per
+parameter for weights and states instead of 2 + 4 + 8.
+
+lr may be a tensor (a device scalar: schedulers change it without any host sync or recompile).
+Without a GPU the same classes decode, run the twin's plain-torch reference and re-encode, with
+the kernels' encoding (nearest code, ties to the lower, by the same float32 midpoints).
+
+See also: ``bitsandbytes.optim.AdamW8bit``, ``torchao.optim.AdamW8bit`` / ``AdamW4bit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from cukit.optim import _checks as chk
+from cukit.optim import _distributed
+from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._kernels import lowbit_masters
+from cukit.optim.adam import Adam
+from cukit.optim.lion import Lion
+from cukit.optim.sgd import SGD
+
+from cukit.interop import DTYPES
+
+__all__ = [
+    "Adam8bit",
+    "AdamW4bit",
+    "AdamW8bit",
+    "Lion8bit",
+    "SGD8bit",
+    "dequantize_blockwise",
+    "dynamic_map",
+    "linear_map",
+    "quantize_blockwise",
+    "to_bitsandbytes",
+]
+
+Tensor = torch.Tensor
+_QTABLE = 512  # floats per state in a launch's code tables (kQTable in multi_tensor.cuh)
+_BNB_WRAPPED = "__bnb_optimizer_quant_state__"  # bitsandbytes nests its quantisation state here
+
+
+# ---------------------------------------------------------------- code tables
+def dynamic_map(signed: bool = True, bits: int = 8) -> Tensor:
+    """bitsandbytes' dynamic quantisation map (``create_dynamic_map``): 2**bits sorted float32 codes
+    in [-1, 1] (signed) or [0, 1], a decimal exponent and a linear fraction whose precision grows
+    towards zero. ``bits`` 8 uses 7 exponent bits (bitsandbytes' optimizers), 4 uses 3.
+
+    See also: ``bitsandbytes.functional.create_dynamic_map``."""
+    if bits not in (4, 8):
+        raise ValueError(f"dynamic_map: bits must be 4 or 8; got {bits!r}")
+    exp_bits = 7 if bits == 8 else 3
+    frac_bits = bits - 1 - exp_bits  # 0 for both: no extra linear items
+    data: list[float] = []
+    for i in range(exp_bits):
+        items = 2 ** (i + frac_bits) + 1 if signed else 2 ** (i + frac_bits + 1) + 1
+        edges = torch.linspace(0.1, 1, items, dtype=torch.float32)
+        means = (edges[:-1] + edges[1:]) / 2.0
+        scale = 10 ** (-(exp_bits - 1) + i)
+        data += (scale * means).tolist()  # float32 products, as bitsandbytes rounds them
+        if signed:
+            data += (-scale * means).tolist()
+    data += [0.0, 1.0]
+    return torch.tensor(sorted(data), dtype=torch.float32)
+
+
+def linear_map(bits: int = 4) -> Tensor:
+    """The unsigned linear map without zero, ``k / 2**bits`` for k = 1 .. 2**bits: second moments in
+    4 bits (a zero code would turn small second moments into division by eps)."""
+    n = 2**bits
+    return torch.arange(1, n + 1, dtype=torch.float32) / n
+
+
+def _midpoints(code: Tensor) -> Tensor:
+    return (code[:-1] + code[1:]) / 2
+
+
+def quantize_blockwise(x: Tensor, code: Tensor, block: int, bits: int = 8) -> tuple[Tensor, Tensor]:
+    """Blockwise quantisation: ``absmax_b = max |x|`` over each block of `block` elements (of x
+    flattened), ``codes = nearest(code, x / absmax_b)`` (ties to the lower code, 0 for an all-zero
+    block). Returns (uint8 codes: n of them for 8 bits, ceil(n / 2) for 4, the even element in the
+    low nibble; float32 absmax, ceil(n / block)). `x` any floating dtype, computed in float32.
+
+    See also: ``bitsandbytes.functional.quantize_blockwise``."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_blockwise: bits must be 4 or 8; got {bits!r}")
+    if code.numel() != 2**bits:
+        raise ValueError(f"quantize_blockwise: code must have {2**bits} entries for {bits} bits; got {code.numel()}")
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    nb = -(-n // block)
+    pad = torch.zeros(nb * block, dtype=torch.float32, device=flat.device)
+    pad[:n] = flat
+    blocks = pad.view(nb, block)
+    absmax = blocks.abs().amax(dim=1) if n else torch.zeros(0, device=flat.device)
+    absmax = torch.where(blocks.isnan().any(dim=1), torch.nan, absmax) if n else absmax
+    safe = torch.where(absmax > 0, absmax, 1.0)
+    xn = torch.where((absmax > 0)[:, None], blocks / safe[:, None], 0.0).reshape(-1)[:n]
+    mids = _midpoints(code.to(device=flat.device, dtype=torch.float32))
+    idx = torch.searchsorted(mids, xn.contiguous(), right=False)
+    idx = torch.where(xn.isnan(), 0, idx).to(torch.uint8)
+    if bits == 4:
+        if n % 2:
+            idx = torch.cat([idx, idx.new_zeros(1)])
+        idx = idx[0::2] | (idx[1::2] << 4)
+    return idx, absmax
+
+
+def dequantize_blockwise(codes: Tensor, absmax: Tensor, code: Tensor, block: int, n: int, bits: int = 8) -> Tensor:
+    """The inverse of :func:`quantize_blockwise`: float32 values (n,), ``code[c] * absmax_block``."""
+    c = codes.reshape(-1).to(torch.long)
+    if bits == 4:
+        c = torch.stack([c & 0xF, c >> 4], dim=1).reshape(-1)
+    c = c[:n]
+    scale = absmax.float().repeat_interleave(block)[:n] if n else absmax.new_zeros(0)
+    return code.to(device=codes.device, dtype=torch.float32)[c] * scale
+
+
+def _bf16_ulp(p: Tensor) -> Tensor:
+    """The spacing of bfloat16 values at `p` (bfloat16): 2**(e - 7) with e p's binary exponent, the
+    subnormal spacing 2**-133 at zero and below (multi_tensor.cuh's bf16_ulp)."""
+    bits = p.view(torch.int16).to(torch.int32) & 0x7FFF
+    e = (bits >> 7).clamp(min=1)
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 134)
+
+
+def residual_weights(p: Tensor, r: Tensor) -> Tensor:
+    """float32 weights from bfloat16 parameters and int8 residuals: ``p + r ulp(p) / 254``."""
+    return p.float() + r.float() * (_bf16_ulp(p) * (1.0 / 254.0))
+
+
+def split_residual(w: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 weights as (bfloat16 rounding, int8 residual ``round((w - p) / ulp(p) · 254)``)."""
+    p = w.to(torch.bfloat16)
+    e = (w - p.float()) / _bf16_ulp(p) * 254.0
+    r = torch.where(e.isfinite(), e.round().clamp(-127, 127), 0.0).to(torch.int8)
+    return p, r
+
+
+# ---------------------------------------------------------------- the shared optimizer part
+class _LowBit(MultiTensorOptimizer):
+    """Quantised states for a float32-state twin (the next class in the MRO): the twin's arguments,
+    hyperparameters, kernels' maths and reference; here the state layout, the launches with codes,
+    and the state_dict mapping."""
+
+    _bits: ClassVar[int] = 8
+    # per state: (the twin's state name, signed map)
+    _qstates: ClassVar[tuple[tuple[str, bool], ...]] = ()
+    _qkernel: ClassVar[str] = ""
+
+    def _lowbit_setup(self, min_8bit_size: int, master_weights: bool | str) -> dict[str, Any]:
+        owner = type(self).__name__
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise TypeError(f"{owner}: min_8bit_size must be an int >= 0; got {chk.describe(min_8bit_size)}")
+        if not (isinstance(master_weights, bool) or master_weights == "residual"):
+            error = ValueError if isinstance(master_weights, str) else TypeError
+            raise error(f"{owner}: master_weights must be False, True or 'residual'; got {chk.describe(master_weights)}")
+        self._min_size = min_8bit_size
+        self._residual = master_weights == "residual"
+        self._block = 256 if self._bits == 8 else 128
+        self._qtables: dict[torch.device, Tensor] = {}
+        return {"master_weights": bool(master_weights), "state_dtype": torch.float32}
+
+    def _codes(self) -> list[Tensor]:
+        if self._bits == 8:
+            return [dynamic_map(signed, 8) for _, signed in self._qstates]
+        return [dynamic_map(True, 4) if signed else linear_map(4) for _, signed in self._qstates]
+
+    def _qtable(self, device: torch.device) -> Tensor:
+        t = self._qtables.get(device)
+        if t is None:
+            rows = []
+            for code in self._codes():
+                row = torch.zeros(_QTABLE, dtype=torch.float32)
+                row[: code.numel()] = code
+                row[256 : 256 + code.numel() - 1] = _midpoints(code)
+                rows.append(row)
+            t = self._qtables[device] = torch.stack(rows).to(device)
+        return t
+
+    def quantised(self, p: Tensor) -> bool:
+        """Whether `p` keeps quantised states: its global element count reaches min_8bit_size."""
+        return p.numel() >= max(self._min_size, 1)
+
+    # -------------------------------------------------------------- hooks of MultiTensorOptimizer
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        ps = [params] if isinstance(params, Tensor) else list(params or [])
+        for i, p in enumerate(ps):
+            if isinstance(p, Tensor) and p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise TypeError(
+                    f"{type(self).__name__}: parameters must be float16, bfloat16 or float32 (the quantised "
+                    f"states are decoded to float32); got {p.dtype} (parameter {i} of param group "
+                    f"{len(self.param_groups)})"
+                )
+            if getattr(self, "_residual", False) and isinstance(p, Tensor) and p.dtype != torch.bfloat16:
+                raise TypeError(
+                    f"{type(self).__name__}: master_weights='residual' needs bfloat16 parameters; got "
+                    f"{p.dtype} (parameter {i} of param group {len(self.param_groups)})"
+                )
+        super().add_param_group(param_group)
+
+    def _param_variant(self, p: Tensor) -> tuple[Any, ...]:
+        return (self.quantised(p),)
+
+    def _plan_state_keys(self, group: dict[str, Any], variant: tuple[Any, ...]) -> tuple[str, ...]:
+        n = len(self._qstates)
+        if variant[-1]:
+            return tuple(k for i in range(1, n + 1) for k in (f"state{i}", f"absmax{i}"))
+        return tuple(f"state{i}" for i in range(1, n + 1))
+
+    def _state_dtype_for(self, p: Tensor, key: str, sdt: torch.dtype) -> torch.dtype:
+        return torch.uint8 if key.startswith("state") and self.quantised(p) else torch.float32
+
+    def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
+        if not self.quantised(p):
+            return super()._new_state(p, key, group, dtype)
+        n = _distributed.local(p).numel()  # blocks of the local shard
+        if key.startswith("absmax"):
+            st = self.state[p]
+            i = key.removeprefix("absmax")
+            st[f"qmap{i}"] = self._codes()[int(i) - 1].to(p.device)
+            return torch.zeros(-(-n // self._block), dtype=torch.float32, device=p.device)
+        if self._bits == 8:
+            return torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+        return torch.zeros(-(-n // 2), dtype=torch.uint8, device=p.device)
+
+    def _check_state(self, p: Tensor, key: str, v: Tensor) -> None:
+        """A loaded state's size must be this layout's (bitsandbytes' min_8bit_size may differ)."""
+        n = _distributed.local(p).numel()
+        q = self.quantised(p)
+        if key.startswith("absmax"):
+            want = -(-n // self._block)
+        elif q and self._bits == 4:
+            want = -(-n // 2)
+        else:
+            want = n
+        got = _distributed.local(v).numel()
+        if got != want or (key.startswith("state") and (v.dtype == torch.uint8) != q):
+            raise ValueError(
+                f"{type(self).__name__}: state {key!r} of a parameter of shape {tuple(p.shape)} has {got} "
+                f"{v.dtype} elements; this optimizer keeps {want} {'uint8 codes' if q and key.startswith('state') else 'float32'} "
+                f"(min_8bit_size={self._min_size}, {self._bits}-bit)"
+            )
+
+    def _make_masters(self, params: list[Tensor]) -> list[Tensor]:
+        if not self._residual:
+            return super()._make_masters(params)
+        out = []
+        for p in params:
+            r = self.state[p].get("master_residual")
+            if r is None or r.dtype != torch.int8 or r.shape != p.shape:
+                r = torch.zeros_like(p, dtype=torch.int8, memory_format=torch.contiguous_format)
+                self.state[p]["master_residual"] = r
+            out.append(r)
+        return out
+
+    def _divisors(self, plan: _Plan) -> list[int] | None:
+        if not plan.variant[-1]:
+            return None
+        per = [1 if self._bits == 8 else 2, self._block]
+        return [1, 1, *(per * len(self._qstates)), *([1] if plan.masters is not None else [])]
+
+    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        if plan.variant[-1] and "kernel" not in plan.scratch:
+            mode = 0 if plan.masters is None else (2 if self._residual else 1)
+            if mode not in lowbit_masters(plan.pname):
+                raise TypeError(f"{type(self).__name__}: no quantised kernel for {plan.pname} with master mode {mode}")
+            plan.scratch["kernel"] = self._kernel_name(DTYPES[plan.pname].ctype, self._bits, mode)
+            plan.extra = (self._qtable(plan.params[0].device),)
+        super()._launch(plan, common)
+
+    def _kernel_name(self, ctype: str, bits: int, mode: int) -> str:
+        return f"{self._qkernel}<{ctype}, {bits}, {mode}>"
+
+    def _reference(self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: Tensor | None) -> None:
+        names = [name for name, _ in self._qstates]
+        if not plan.variant[-1]:
+            twin = _Plan(plan.gids, plan.params, plan.grads,
+                         {name: plan.states[f"state{i + 1}"] for i, name in enumerate(names)},
+                         None if self._residual else plan.masters, plan.pname, plan.sname, plan.variant[:-1])
+            twin.scratch = plan.scratch
+            if self._residual and plan.masters is not None:
+                self._reference_residual(group, plan, twin, steps, gmul)
+            else:
+                super()._reference(group, twin, steps, gmul)
+            return
+        codes = self._codes()
+        dec: dict[str, list[Tensor]] = {name: [] for name in names}
+        for i, name in enumerate(names):
+            for p, c, a in zip(plan.params, plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"], strict=True):
+                dec[name].append(dequantize_blockwise(c, a, codes[i], self._block, p.numel(), self._bits).view(p.shape))
+        twin = _Plan(plan.gids, plan.params, plan.grads, dec, None if self._residual else plan.masters,
+                     plan.pname, plan.sname, plan.variant[:-1])
+        twin.scratch = plan.scratch
+        if self._residual and plan.masters is not None:
+            self._reference_residual(group, plan, twin, steps, gmul)
+        else:
+            super()._reference(group, twin, steps, gmul)
+        for i, name in enumerate(names):
+            for x, c, a in zip(dec[name], plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"], strict=True):
+                nc, na = quantize_blockwise(x, codes[i], self._block, self._bits)
+                c.view(-1).copy_(nc)
+                a.copy_(na)
+
+    def _reference_residual(
+        self, group: dict[str, Any], plan: _Plan, twin: _Plan, steps: list[float], gmul: Tensor | None
+    ) -> None:
+        """The twin's reference on float32 weights rebuilt from bfloat16 + residual, split back."""
+        masters = [residual_weights(p, r) for p, r in zip(plan.params, plan.masters, strict=True)]  # type: ignore[arg-type]
+        twin.masters = masters
+        super()._reference(group, twin, steps, gmul)
+        for p, r, w in zip(plan.params, plan.masters, masters, strict=True):  # type: ignore[arg-type]
+            hi, lo = split_residual(w)
+            p.copy_(hi)
+            r.copy_(lo)
+
+    # -------------------------------------------------------------- state_dicts
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads this class's state_dicts and bitsandbytes' (its nested quantisation state and
+        integer steps); ValueError if a state's size does not match this optimizer's layout."""
+        sd = dict(state_dict)
+        sd["state"] = {}
+        for k, st in state_dict["state"].items():
+            st = dict(st)
+            st.update(st.pop(_BNB_WRAPPED, {}))
+            if "step" in st and not isinstance(st["step"], Tensor):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+            sd["state"][k] = st
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=False):
+            for key, v in sd["state"].get(i, {}).items():
+                if isinstance(v, Tensor) and (key.startswith("state") or key.startswith("absmax")):
+                    self._check_state(p, key, v)
+        super().load_state_dict(sd)
+
+
+def to_bitsandbytes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A cukit 8-bit optimizer's state_dict in bitsandbytes' form: integer steps and the
+    quantisation tensors nested under its FSDP key, so ``bitsandbytes.optim.AdamW8bit`` (same
+    min_8bit_size) loads it. The tensors are shared, not copied."""
+    out = {"param_groups": state_dict["param_groups"], "state": {}}
+    keys = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2"}
+    for k, st in state_dict["state"].items():
+        st = dict(st)
+        if isinstance(st.get("step"), Tensor):
+            st["step"] = int(st["step"].item())
+        wrapped = {key: st.pop(key) for key in list(st) if key in keys}
+        if wrapped:
+            st[_BNB_WRAPPED] = wrapped
+        out["state"][k] = st
+    return out
+
+
+# ---------------------------------------------------------------- the optimizers
+_LOWBIT_DOC = """
+    Keyword-only: ``min_8bit_size`` (default 4096: smaller parameters keep float32 states),
+    ``master_weights`` (False, True: a float32 copy of 16-bit parameters, or "residual": bfloat16
+    parameters plus an int8 residual), ``flat_grads`` and ``max_grad_norm`` as
+    :class:`cukit.optim.MultiTensorOptimizer`. Parameters: float16, bfloat16, float32."""
+
+
+class Adam8bit(_LowBit, Adam):
+    """Adam (L2 weight decay, as ``torch.optim.Adam``) with 8-bit blockwise states: ``state1`` the
+    first moment (signed dynamic map), ``state2`` the second (unsigned), blocks of 256. Maths and
+    arguments as :class:`cukit.optim.Adam` (amsgrad not supported).
+
+    See also: ``bitsandbytes.optim.Adam8bit`` (which decays the weights decoupled, as AdamW)."""
+
+    __doc__ = (__doc__ or "") + _LOWBIT_DOC
+    _qstates = (("exp_avg", True), ("exp_avg_sq", False))
+    _qkernel = "adam_qstep"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        min_8bit_size: int = 4096,
+        master_weights: bool | str = False,
+        **kwargs: Any,
+    ) -> None:
+        if amsgrad is True:
+            raise ValueError(f"{type(self).__name__}: amsgrad=True is not supported with quantised states")
+        extra = self._lowbit_setup(min_8bit_size, master_weights)
+        if "state_dtype" in kwargs:
+            raise TypeError(f"{type(self).__name__}: state_dtype does not apply (the states are quantised)")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs, **extra)
+
+    def _kernel_name(self, ctype: str, bits: int, mode: int) -> str:
+        return f"adam_qstep<{ctype}, {bits}, {mode}, {'true' if self._decoupled else 'false'}>"
+
+
+class AdamW8bit(Adam8bit):
+    """AdamW (decoupled weight decay, default 0.01) with 8-bit blockwise states; everything else as
+    :class:`Adam8bit`.
+
+    See also: ``bitsandbytes.optim.AdamW8bit``, ``torchao.optim.AdamW8bit``."""
+
+    __doc__ = (__doc__ or "") + _LOWBIT_DOC
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class AdamW4bit(AdamW8bit):
+    """AdamW with 4-bit blockwise states (blocks of 128): the first moment on the signed 4-bit
+    dynamic map, the second on the linear map k/16 (no zero), two codes per byte.
+
+    See also: ``torchao.optim.AdamW4bit``."""
+
+    __doc__ = (__doc__ or "") + _LOWBIT_DOC
+    _bits = 4
+
+
+class Lion8bit(_LowBit, Lion):
+    """Lion with an 8-bit blockwise ``state1`` (the momentum, signed dynamic map, blocks of 256);
+    maths and arguments as :class:`cukit.optim.Lion`.
+
+    See also: ``bitsandbytes.optim.Lion8bit``."""
+
+    __doc__ = (__doc__ or "") + _LOWBIT_DOC
+    _qstates = (("exp_avg", True),)
+    _qkernel = "lion_qstep"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        min_8bit_size: int = 4096,
+        master_weights: bool | str = False,
+        **kwargs: Any,
+    ) -> None:
+        extra = self._lowbit_setup(min_8bit_size, master_weights)
+        if "state_dtype" in kwargs:
+            raise TypeError(f"{type(self).__name__}: state_dtype does not apply (the states are quantised)")
+        super().__init__(params, lr, betas, weight_decay, **kwargs, **extra)
+
+
+class SGD8bit(_LowBit, SGD):
+    """SGD with momentum (required, > 0) and an 8-bit blockwise ``state1`` (the momentum buffer,
+    signed dynamic map, blocks of 256); maths and arguments as :class:`cukit.optim.SGD`.
+
+    See also: ``bitsandbytes.optim.SGD8bit``."""
+
+    __doc__ = (__doc__ or "") + _LOWBIT_DOC
+    _qstates = (("momentum_buffer", True),)
+    _qkernel = "sgd_qstep"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        min_8bit_size: int = 4096,
+        master_weights: bool | str = False,
+        **kwargs: Any,
+    ) -> None:
+        extra = self._lowbit_setup(min_8bit_size, master_weights)
+        if "state_dtype" in kwargs:
+            raise TypeError(f"{type(self).__name__}: state_dtype does not apply (the states are quantised)")
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, **kwargs, **extra)
+
+    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
+        momentum = group.get("momentum", 0)
+        if isinstance(momentum, (int, float)) and not momentum > 0:
+            raise ValueError(f"{owner}: momentum must be > 0 (the 8-bit state is the momentum buffer); got {momentum!r}")
+        super()._check_combination(group, owner)
+
