@@ -56,7 +56,10 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-_QTABLE = 512  # floats per state in a launch's code tables (kQTable in multi_tensor.cuh)
+_QTABLE = 1024  # floats per state in a launch's code tables (kQTable in multi_tensor.cuh)
+_BUCKET_SHIFT = 18  # kBucketShift: a bucket is |x|'s float bits >> 18
+_BUCKET_LO = 0x33800000 >> _BUCKET_SHIFT
+_BUCKETS = (0x3F800000 >> _BUCKET_SHIFT) - _BUCKET_LO + 1
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"  # bitsandbytes nests its quantisation state here
 
 
@@ -95,10 +98,26 @@ def _midpoints(code: Tensor) -> Tensor:
     return (code[:-1] + code[1:]) / 2
 
 
+def bucket_table(code: Tensor) -> Tensor:
+    """The kernels' search start for each bucket of normalised values (uint8, 2 x _BUCKETS): for
+    positive values of bucket b (|x|'s float bits >> 18, from 2^-24 up to 1; bucket 0 also holds
+    zero) the count of midpoints below the bucket's lowest value, for negative ones the count below
+    minus its highest. Each is at most the value's nearest-code index, which the kernel then
+    reaches by comparing with the next midpoints."""
+    mids = _midpoints(code.float()).double()
+    b = torch.arange(_BUCKETS, dtype=torch.int64)
+    lower = ((b + _BUCKET_LO) << _BUCKET_SHIFT).to(torch.int32).view(torch.float32).double()
+    lower[0] = 0.0
+    upper = ((b + _BUCKET_LO + 1) << _BUCKET_SHIFT).to(torch.int32).view(torch.float32).double()
+    pos = torch.searchsorted(mids, lower, right=False)
+    neg = torch.searchsorted(mids, -upper, right=False)
+    return torch.cat([pos, neg]).to(torch.uint8)
+
+
 def quantize_blockwise(x: Tensor, code: Tensor, block: int, bits: int = 8) -> tuple[Tensor, Tensor]:
     """Blockwise quantisation: ``absmax_b = max |x|`` over each block of `block` elements (of x
-    flattened), ``codes = nearest(code, x / absmax_b)`` (ties to the lower code, 0 for an all-zero
-    block). Returns (uint8 codes: n of them for 8 bits, ceil(n / 2) for 4, the even element in the
+    flattened), ``codes = nearest(code, x · (1 / absmax_b))`` (ties to the lower code; the float32
+    reciprocal as the kernels compute it; 0 for an all-zero block). Returns (uint8 codes: n of them for 8 bits, ceil(n / 2) for 4, the even element in the
     low nibble; float32 absmax, ceil(n / block)). `x` any floating dtype, computed in float32.
 
     See also: ``bitsandbytes.functional.quantize_blockwise``."""
@@ -114,8 +133,8 @@ def quantize_blockwise(x: Tensor, code: Tensor, block: int, bits: int = 8) -> tu
     blocks = pad.view(nb, block)
     absmax = blocks.abs().amax(dim=1) if n else torch.zeros(0, device=flat.device)
     absmax = torch.where(blocks.isnan().any(dim=1), torch.nan, absmax) if n else absmax
-    safe = torch.where(absmax > 0, absmax, 1.0)
-    xn = torch.where((absmax > 0)[:, None], blocks / safe[:, None], 0.0).reshape(-1)[:n]
+    inv = torch.where(absmax > 0, 1.0 / torch.where(absmax > 0, absmax, 1.0), 0.0)  # as the kernels
+    xn = (blocks * inv[:, None]).reshape(-1)[:n]
     mids = _midpoints(code.to(device=flat.device, dtype=torch.float32))
     idx = torch.searchsorted(mids, xn.contiguous(), right=False)
     idx = torch.where(xn.isnan(), 0, idx).to(torch.uint8)
@@ -194,6 +213,8 @@ class _LowBit(MultiTensorOptimizer):
                 row = torch.zeros(_QTABLE, dtype=torch.float32)
                 row[: code.numel()] = code
                 row[256 : 256 + code.numel() - 1] = _midpoints(code)
+                buckets = bucket_table(code)
+                row.view(torch.uint8)[512 * 4 : 512 * 4 + buckets.numel()] = buckets
                 rows.append(row)
             t = self._qtables[device] = torch.stack(rows).to(device)
         return t

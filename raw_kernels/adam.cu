@@ -116,13 +116,13 @@ template <typename P, int BITS, int MASTER, bool DECOUPLED> struct AdamQFunctor 
 };
 
 template <typename P, int BITS, int MASTER, bool DECOUPLED>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512, 2)
     adam_qstep(CUKIT_MT_PARAMS, const float* __restrict__ steps, const float* __restrict__ qtables) {
   CUKIT_MT_PROLOGUE(sh, float);
   __shared__ float tables[2 * kQTable];
   load_qtables(tables, qtables, 2);
   using F = AdamQFunctor<P, BITS, MASTER, DECOUPLED>;
   const Table<F::L> tab{table, T, C, chunk};
-  const F f{{steps}, {tables, tables + 256}, {tables + kQTable, tables + kQTable + 256}};
+  const F f{{steps}, {tables}, {tables + kQTable}};
   for_each_qblock<F::L, F::E>(tab, f, sh);
 }

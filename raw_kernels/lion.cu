@@ -90,12 +90,12 @@ template <typename P, int BITS, int MASTER> struct LionQFunctor {
 };
 
 template <typename P, int BITS, int MASTER>
-__global__ void __launch_bounds__(512) lion_qstep(CUKIT_MT_PARAMS, const float* __restrict__ qtables) {
+__global__ void __launch_bounds__(512, 2) lion_qstep(CUKIT_MT_PARAMS, const float* __restrict__ qtables) {
   CUKIT_MT_PROLOGUE(sh, float);
   __shared__ float tables[kQTable];
   load_qtables(tables, qtables, 1);
   using F = LionQFunctor<P, BITS, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
-  const F f{{tables, tables + 256}};
+  const F f{{tables}};
   for_each_qblock<F::L, F::E>(tab, f, sh);
 }

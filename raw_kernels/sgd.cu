@@ -102,13 +102,13 @@ template <typename P, int BITS, int MASTER> struct SgdQFunctor {
 };
 
 template <typename P, int BITS, int MASTER>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512, 2)
     sgd_qstep(CUKIT_MT_PARAMS, const float* __restrict__ counts, const float* __restrict__ qtables) {
   CUKIT_MT_PROLOGUE(sh, float);
   __shared__ float tables[kQTable];
   load_qtables(tables, qtables, 1);
   using F = SgdQFunctor<P, BITS, MASTER>;
   const Table<F::L> tab{table, T, C, chunk};
-  const F f{{counts}, {tables, tables + 256}};
+  const F f{{counts}, {tables}};
   for_each_qblock<F::L, F::E>(tab, f, sh);
 }

@@ -26,4 +26,11 @@ def test_dry_run_writes_validated_rows(tmp_path: Path) -> None:
     rows = doc["rows"]
     assert rows and not [r for r in rows if r.get("error")]
     assert {r["opt"] for r in rows} >= {"AdamW", "SGD", "Lion", "LAMB", "AdamW +clip+scaler"}
-    assert all(r["host_us"] > 0 and r["ms"] > 0 for r in rows)
+    steps = [r for r in rows if "final_loss" not in r]
+    assert all(r["host_us"] > 0 and r["ms"] > 0 for r in steps)
+    # the low-bit part: every optimizer beside its baselines, state bytes, and the training run
+    assert {r["opt"] for r in rows} >= {"AdamW8bit", "Adam8bit", "AdamW4bit", "Lion8bit", "SGD8bit"}
+    assert all(r["state_bytes_per_param"] > 0 for r in steps if r["opt"].endswith("bit"))
+    trained = [r for r in rows if "final_loss" in r]
+    assert {r["impl"] for r in trained} >= {"cukit AdamW8bit", "torch AdamW", "cukit SGD8bit"}
+    assert all(abs(r["loss_vs_fp32"]) < 0.05 for r in trained)

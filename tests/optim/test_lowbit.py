@@ -81,6 +81,30 @@ def test_quantize_matches_numpy_argmin(n: int, scale: float, signed: bool, bits:
     assert np.all(np.abs(back.numpy() - x) <= scale_of * (gap / 2 * (1 + 1e-5) + 1e-6))
 
 
+@pytest.mark.parametrize("which", ["signed8", "unsigned8", "signed4", "linear4"])
+def test_bucket_search_finds_the_nearest_code(which: str) -> None:
+    """The kernels' encoder (QCodec::encode) emulated: start at the bucket table's entry, step up
+    while the next midpoint is below the value; equal to searchsorted over the midpoints for values
+    across 10 decades, both zeros and the ends, in at most 3 steps."""
+    code = {"signed8": lb.dynamic_map(True), "unsigned8": lb.dynamic_map(False),
+            "signed4": lb.dynamic_map(True, 4), "linear4": lb.linear_map(4)}[which]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(100_000, generator=gen) * 10.0 ** torch.randint(-9, 1, (100_000,), generator=gen)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-25, -(2.0**-25), 2.0**-24])]).clamp(-1, 1)
+    if code.min() >= 0:
+        x = x.abs()
+    mids = lb._midpoints(code).numpy()
+    table = lb.bucket_table(code).numpy().astype(np.int64)
+    assert table.size == 2 * lb._BUCKETS
+    u = x.view(torch.int32).numpy().astype(np.int64) & 0xFFFFFFFF
+    b = np.clip(((u & 0x7FFFFFFF) >> lb._BUCKET_SHIFT) - lb._BUCKET_LO, 0, lb._BUCKETS - 1)
+    lo = table[(u >> 31) * lb._BUCKETS + b]
+    xv, n = x.numpy(), code.numel()
+    for _ in range(3):
+        lo = lo + ((lo < n - 1) & (mids[np.minimum(lo, n - 2)] < xv))
+    assert np.array_equal(lo, torch.searchsorted(lb._midpoints(code), x, right=False).numpy())
+
+
 def test_nan_block_decodes_to_nan() -> None:
     x = torch.randn(600)
     x[300] = float("nan")

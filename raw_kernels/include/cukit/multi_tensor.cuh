@@ -171,22 +171,34 @@ template <typename T, int N, typename A> __device__ __forceinline__ void store(T
 // the block's largest |value| after the update. In a tensor table such a state is two lists: the
 // codes (numel / (8 / BITS) bytes) and the scales (ceil(numel / QB) floats); TensorTable's
 // `divisors` give each list its element ratio. Encoding picks the nearest code, ties to the lower,
-// by a branchless binary search over the 2^BITS - 1 midpoints of neighbouring codes (the host
+// by the count of the 2^BITS - 1 midpoints of neighbouring codes below the value (the host
 // reference does the same with torch.searchsorted over the same float32 midpoints), so the
 // kernels and the reference agree bit for bit on the same input. A NaN anywhere in a block makes
-// its scale NaN (the block decodes to NaN, as a float32 state would carry it).
-constexpr int kQTable = 512;  // floats per state in a code table: code[0, 256), midpoints [256, 511)
+// its scale NaN (the block decodes to NaN, as a float32 state would carry it). Values are
+// normalised by multiplying with the float32 reciprocal of the scale.
+//
+// The search starts from a bucket table: |xn|'s float bits >> 18 (its binade and 5 mantissa bits,
+// so a bucket spans 3 % of its values) index, per sign, the first candidate code; a few compares
+// with the midpoints finish it (as many as the bucket holds codes: 1-3 for these maps). A binary
+// search would take 2^BITS's log2 dependent shared-memory loads per element, each a bank conflict.
+constexpr int kQTable = 1024;  // floats per state in a code table: code [0, 256), midpoints [256, 511),
+                               // the bucket table's bytes from float 512 on
+constexpr int kBucketShift = 18;
+constexpr int kBucketLo = 0x33800000 >> kBucketShift;  // |xn| < 2^-24 (and zero) share bucket 0
+constexpr int kBuckets = (0x3f800000 >> kBucketShift) - kBucketLo + 1;  // up to |xn| = 1
 
 template <int BITS> struct QCodec {
   static constexpr int kCodes = 1 << BITS;
-  const float* code;  // shared memory
-  const float* mid;
+  const float* code;  // shared memory: the state's table (kQTable floats)
 
   __device__ __forceinline__ unsigned int encode(float xn) const {
-    unsigned int lo = 0;
-#pragma unroll
-    for (unsigned int s = kCodes / 2; s >= 1; s >>= 1)
-      if (mid[lo + s - 1] < xn) lo += s;
+    if (xn != xn) return 0u;
+    const unsigned int u = __float_as_uint(xn);
+    const int b = min(max(static_cast<int>((u & 0x7fffffffu) >> kBucketShift) - kBucketLo, 0), kBuckets - 1);
+    const unsigned char* bucket = reinterpret_cast<const unsigned char*>(code + 512);
+    const float* mid = code + 256;
+    unsigned int lo = bucket[(u >> 31) * kBuckets + b];
+    while (lo < kCodes - 1 && mid[lo] < xn) ++lo;
     return lo;
   }
 };
@@ -286,9 +298,12 @@ __device__ __forceinline__ void q_store(unsigned char* codes, float* scales, lon
                                         bool vec, const QCodec<BITS>& q, const float (&x)[E]) {
   const float absmax = warp_absmax<E>(x, cnt);
   if ((threadIdx.x & 31) == 0) scales[qb] = absmax;
+  // one IEEE reciprocal per lane instead of E divisions (the reference multiplies by the same
+  // float32 reciprocal); NaN and zero scales encode every value as x * 0
+  const float inv = absmax > 0.f ? 1.f / absmax : 0.f;
   unsigned int c[E];
 #pragma unroll
-  for (int k = 0; k < E; ++k) c[k] = q.encode(absmax > 0.f ? x[k] / absmax : 0.f);
+  for (int k = 0; k < E; ++k) c[k] = q.encode(x[k] * inv);
   if constexpr (BITS == 8) {
     if (vec && cnt == E) {
 #pragma unroll
