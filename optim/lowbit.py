@@ -28,6 +28,7 @@ See also: ``bitsandbytes.optim.AdamW8bit``, ``torchao.optim.AdamW8bit`` / ``Adam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -60,6 +61,7 @@ _QTABLE = 1024  # floats per state in a launch's code tables (kQTable in multi_t
 _BUCKET_SHIFT = 18  # kBucketShift: a bucket is |x|'s float bits >> 18
 _BUCKET_LO = 0x33800000 >> _BUCKET_SHIFT
 _BUCKETS = (0x3F800000 >> _BUCKET_SHIFT) - _BUCKET_LO + 1
+_STEPS = {256: 3, 16: 1}  # QCodec::kSteps by table size
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"  # bitsandbytes nests its quantisation state here
 
 
@@ -111,6 +113,11 @@ def bucket_table(code: Tensor) -> Tensor:
     upper = ((b + _BUCKET_LO + 1) << _BUCKET_SHIFT).to(torch.int32).view(torch.float32).double()
     pos = torch.searchsorted(mids, lower, right=False)
     neg = torch.searchsorted(mids, -upper, right=False)
+    # the kernel takes a fixed number of steps from the start: the most midpoints in one bucket
+    steps = max(int((torch.searchsorted(mids, upper, right=False) - pos).max()),
+                int((torch.searchsorted(mids, -lower, right=True) - neg).max()))
+    if steps > _STEPS[code.numel()]:
+        raise ValueError(f"bucket_table: a bucket holds {steps} midpoints; the kernels take {_STEPS[code.numel()]} steps")
     return torch.cat([pos, neg]).to(torch.uint8)
 
 
@@ -213,6 +220,7 @@ class _LowBit(MultiTensorOptimizer):
                 row = torch.zeros(_QTABLE, dtype=torch.float32)
                 row[: code.numel()] = code
                 row[256 : 256 + code.numel() - 1] = _midpoints(code)
+                row[256 + code.numel() - 1] = math.inf  # the search's sentinel past the last midpoint
                 buckets = bucket_table(code)
                 row.view(torch.uint8)[512 * 4 : 512 * 4 + buckets.numel()] = buckets
                 rows.append(row)

@@ -39,7 +39,7 @@ LR = 0.05
 MAX_NORM = 0.05  # below the gradients' norm: clipping is active in every step
 RTOL, ATOL = 1e-5, 1e-6  # fp32 rounding (reduction order differs from the single-process run)
 TWO_GPUS = cukit.is_available() and torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
-CASES = ("ddp", "fsdp2", "fsdp2_torch_layout", "clip_and_flag", "zero", "dcp")
+CASES = ("ddp", "fsdp2", "fsdp2_torch_layout", "clip_and_flag", "zero", "dcp", "fsdp2_lowbit")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +249,32 @@ def case_dcp(rank: int, device: str, tmp: str) -> None:
     _train(other, other_opt, batches[STEPS:], rank)
     for p, q in zip(model.parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(q.to_local(), p.to_local(), rtol=0.0, atol=0.0)
+
+
+def case_fsdp2_lowbit(rank: int, device: str, tmp: str) -> None:
+    """AdamW8bit under FSDP2: which tensors get 8-bit state follows the parameter's global size
+    (the first weight has 35 elements, min_8bit_size 30; its shards hold 20 and 15), the step runs
+    on the local shards with rank-local block scales, and the parameters stay close to a
+    single-process AdamW8bit run (blocks of a shard, not of the whole tensor: not bitwise)."""
+    from torch.distributed.tensor import DTensor
+
+    model = _fsdp(device)
+    opt = co.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=30)
+    losses = _train(model, opt, _batches(device), rank)
+    ref = _model(device)
+    ref_opt = co.AdamW8bit(ref.parameters(), lr=LR, min_8bit_size=30)
+    ref_losses = _train(ref, ref_opt, _batches(device), None)
+    w = next(iter(model.parameters()))
+    assert isinstance(w, DTensor) and w.numel() == 35 and w.to_local().numel() == (20 if rank == 0 else 15)
+    st = opt.state[w]
+    assert st["state1"].dtype == torch.uint8 and st["absmax1"].numel() == 1  # the shard's one block
+    for p in list(model.parameters())[1:]:
+        assert opt.state[p]["state1"].dtype == torch.float32  # 7, 7 and 1 elements
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(_full(p.detach()), q.detach(), rtol=0.0, atol=0.03)
+    mean = torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.all_reduce(mean)
+    torch.testing.assert_close((mean / WORLD).tolist(), ref_losses, rtol=0.05, atol=0.0)
 
 
 CASE_FNS: dict[str, Callable[[int, str, str], None]] = {name: globals()[f"case_{name}"] for name in CASES}

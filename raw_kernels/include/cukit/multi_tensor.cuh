@@ -178,8 +178,8 @@ template <typename T, int N, typename A> __device__ __forceinline__ void store(T
 // normalised by multiplying with the float32 reciprocal of the scale.
 //
 // The search starts from a bucket table: |xn|'s float bits >> 18 (its binade and 5 mantissa bits,
-// so a bucket spans 3 % of its values) index, per sign, the first candidate code; a few compares
-// with the midpoints finish it (as many as the bucket holds codes: 1-3 for these maps). A binary
+// so a bucket spans 3 % of its values) index, per sign, the first candidate code; a fixed number
+// of compares with the midpoints finishes it (the most a bucket holds: 3 at 8 bits, 1 at 4). A binary
 // search would take 2^BITS's log2 dependent shared-memory loads per element, each a bank conflict.
 constexpr int kQTable = 1024;  // floats per state in a code table: code [0, 256), midpoints [256, 511),
                                // the bucket table's bytes from float 512 on
@@ -189,6 +189,9 @@ constexpr int kBuckets = (0x3f800000 >> kBucketShift) - kBucketLo + 1;  // up to
 
 template <int BITS> struct QCodec {
   static constexpr int kCodes = 1 << BITS;
+  // the most midpoints one bucket holds, for every map cukit builds (checked on the host:
+  // optim/lowbit.py bucket_table)
+  static constexpr int kSteps = BITS == 8 ? 3 : 1;
   const float* code;  // shared memory: the state's table (kQTable floats)
 
   __device__ __forceinline__ unsigned int encode(float xn) const {
@@ -198,7 +201,10 @@ template <int BITS> struct QCodec {
     const unsigned char* bucket = reinterpret_cast<const unsigned char*>(code + 512);
     const float* mid = code + 256;
     unsigned int lo = bucket[(u >> 31) * kBuckets + b];
-    while (lo < kCodes - 1 && mid[lo] < xn) ++lo;
+    // a fixed number of compares, no branch: the E encodes of a lane interleave (mid[kCodes - 1]
+    // is +inf, so a finished search stays put)
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) lo += mid[lo] < xn ? 1u : 0u;
     return lo;
   }
 };
