@@ -1,6 +1,7 @@
 """Optimizers with 8-bit and 4-bit states: AdamW8bit, Adam8bit, Lion8bit, SGD8bit and AdamW4bit.
 
-Each keeps its float32 twin's maths (:class:`~cukit.optim.AdamW`, ...) and stores the states
+Each keeps its float32 twin's maths (:class:`~cukit.optim.AdamW`, ...; the Adam kernels divide by
+the fast reciprocal, 2 ulp, where the float32 ones divide exactly) and stores the states
 blockwise-quantised: per block of 256 elements (8-bit) or 128 (4-bit), the codes of the values
 divided by the block's largest magnitude ``absmax``, on bitsandbytes' dynamic map (signed for
 first moments and momentum, unsigned for second moments; the 4-bit second moment uses the linear
@@ -41,6 +42,7 @@ from cukit.optim.adam import Adam
 from cukit.optim.lion import Lion
 from cukit.optim.sgd import SGD
 
+from cukit._device import sm_count
 from cukit.interop import DTYPES
 
 __all__ = [
@@ -57,11 +59,11 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-_QTABLE = 1024  # floats per state in a launch's code tables (kQTable in multi_tensor.cuh)
-_BUCKET_SHIFT = 18  # kBucketShift: a bucket is |x|'s float bits >> 18
+_QTABLE = 2304  # floats per state in a launch's code tables (kQTable in multi_tensor.cuh)
+_BUCKET_SHIFT = 16  # kBucketShift: a bucket is |x|'s float bits >> 16
 _BUCKET_LO = 0x33800000 >> _BUCKET_SHIFT
 _BUCKETS = (0x3F800000 >> _BUCKET_SHIFT) - _BUCKET_LO + 1
-_STEPS = {256: 3, 16: 1}  # QCodec::kSteps by table size
+_STEPS = {256: 1, 16: 1}  # QCodec::kSteps by table size
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"  # bitsandbytes nests its quantisation state here
 
 
@@ -317,6 +319,8 @@ class _LowBit(MultiTensorOptimizer):
                 raise TypeError(f"{type(self).__name__}: no quantised kernel for {plan.pname} with master mode {mode}")
             plan.scratch["kernel"] = self._kernel_name(DTYPES[plan.pname].ctype, self._bits, mode)
             plan.extra = (self._qtable(plan.params[0].device),)
+            # two resident blocks per SM walk every chunk: each block stages the code tables once
+            plan.table.grid = min(plan.table.grid, 2 * sm_count(plan.table.device))  # type: ignore[union-attr]
         super()._launch(plan, common)
 
     def _kernel_name(self, ctype: str, bits: int, mode: int) -> str:

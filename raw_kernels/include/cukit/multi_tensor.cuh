@@ -177,13 +177,13 @@ template <typename T, int N, typename A> __device__ __forceinline__ void store(T
 // its scale NaN (the block decodes to NaN, as a float32 state would carry it). Values are
 // normalised by multiplying with the float32 reciprocal of the scale.
 //
-// The search starts from a bucket table: |xn|'s float bits >> 18 (its binade and 5 mantissa bits,
-// so a bucket spans 3 % of its values) index, per sign, the first candidate code; a fixed number
-// of compares with the midpoints finishes it (the most a bucket holds: 3 at 8 bits, 1 at 4). A binary
+// The search starts from a bucket table: |xn|'s float bits >> 16 (its binade and 7 mantissa bits,
+// so a bucket spans 0.8 % of its values) index, per sign, the first candidate code; one compare
+// with the next midpoint finishes it (no bucket of these maps holds two midpoints). A binary
 // search would take 2^BITS's log2 dependent shared-memory loads per element, each a bank conflict.
-constexpr int kQTable = 1024;  // floats per state in a code table: code [0, 256), midpoints [256, 511),
-                               // the bucket table's bytes from float 512 on
-constexpr int kBucketShift = 18;
+constexpr int kQTable = 2304;  // floats per state in a code table: code [0, 256), midpoints [256, 511)
+                               // and +inf, the bucket table's 2 x kBuckets bytes from float 512 on
+constexpr int kBucketShift = 16;
 constexpr int kBucketLo = 0x33800000 >> kBucketShift;  // |xn| < 2^-24 (and zero) share bucket 0
 constexpr int kBuckets = (0x3f800000 >> kBucketShift) - kBucketLo + 1;  // up to |xn| = 1
 
@@ -191,7 +191,7 @@ template <int BITS> struct QCodec {
   static constexpr int kCodes = 1 << BITS;
   // the most midpoints one bucket holds, for every map cukit builds (checked on the host:
   // optim/lowbit.py bucket_table)
-  static constexpr int kSteps = BITS == 8 ? 3 : 1;
+  static constexpr int kSteps = 1;
   const float* code;  // shared memory: the state's table (kQTable floats)
 
   __device__ __forceinline__ unsigned int encode(float xn) const {
@@ -215,20 +215,21 @@ __device__ __forceinline__ void load_qtables(float* dst, const float* __restrict
   __syncthreads();
 }
 
-// The largest |x[k]| of the lane's first `cnt` values, reduced over the warp; NaN wins.
+// The largest |x[k]| of the lane's first `cnt` values, reduced over the warp; NaN wins. The bits of
+// non-negative floats order as unsigned integers (a NaN's above inf's), so one integer max per
+// element and one warp reduction (REDUX on sm_80+) do it.
 template <int E> __device__ __forceinline__ float warp_absmax(const float (&x)[E], int cnt) {
-  float a = 0.f;
+  unsigned int a = 0u;
 #pragma unroll
-  for (int k = 0; k < E; ++k) {
-    const float v = fabsf(x[k]);
-    if (k < cnt && !(v <= a)) a = v;
-  }
+  for (int k = 0; k < E; ++k)
+    if (k < cnt) a = max(a, __float_as_uint(x[k]) & 0x7fffffffu);
+#if __CUDA_ARCH__ >= 800
+  a = __reduce_max_sync(0xffffffffu, a);
+#else
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float b = __shfl_xor_sync(0xffffffffu, a, o);
-    if (!(b <= a)) a = b;
-  }
-  return a;
+  for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
+#endif
+  return __uint_as_float(a);
 }
 
 // Element loads and stores of a lane's E consecutive elements, `cnt` of them valid (cnt < E only
