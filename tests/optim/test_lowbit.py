@@ -99,10 +99,8 @@ def test_bucket_search_finds_the_nearest_code(which: str) -> None:
     u = x.view(torch.int32).numpy().astype(np.int64) & 0xFFFFFFFF
     b = np.clip(((u & 0x7FFFFFFF) >> lb._BUCKET_SHIFT) - lb._BUCKET_LO, 0, lb._BUCKETS - 1)
     lo = table[(u >> 31) * lb._BUCKETS + b]
-    xv, n = x.numpy(), code.numel()
     sentinel = np.append(mids, np.inf)  # the kernels' table: +inf after the last midpoint
-    for _ in range(1):  # QCodec::kSteps
-        lo = lo + (sentinel[lo] < xv)
+    lo = lo + (sentinel[lo] < x.numpy())  # QCodec::kSteps = 1 compare
     assert np.array_equal(lo, torch.searchsorted(lb._midpoints(code), x, right=False).numpy())
 
 
