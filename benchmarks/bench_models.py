@@ -63,7 +63,7 @@ settings appended when a subset runs, so split runs do not overwrite each other)
 | ``peak_mib`` | ``torch.cuda.max_memory_allocated`` over the timed steps minus the allocation at their start (activations, gradients, workspaces: what a step needs above the state) |
 | ``speedup`` | torch ``ms`` / this ``ms``, same setting, same run (> 1: faster than stock) |
 | ``loss_rel_diff`` | max over steps of abs(loss - loss_torch) / abs(loss_torch), same setting |
-| ``noise_floor`` | the same for torch eager against torch compiled at this precision: how far two correct implementations drift apart (different kernels round differently); on every row of that precision |
+| ``noise_floor`` | the largest of the same for torch eager against torch compiled, and for torch eager against ``--noise-seeds`` stock eager runs from weights moved by one rounding unit (``noise_samples``: all of them): how far two correct implementations drift apart (they round differently); on every row of that precision |
 | ``within_noise`` | ``loss_rel_diff <= NOISE_MARGIN * noise_floor`` |
 | ``losses`` | the loss curve (JSON list); ``loss_first``, ``loss_last`` |
 | ``error`` | why a case has no numbers (exception, skipped: budget, transformers missing, lost CUDA context) |
@@ -72,8 +72,10 @@ Loss curves: the data are fixed before the first case (a Markov-chain token stre
 tokens for the LMs: learnable, so the curves fall and a wrong gradient shows; Gaussian class
 clusters for the demo models, no scikit-learn needed), and every impl starts from the same
 weights. GPT-2's dropout is set to 0: eager and compiled dropout draw different masks, which would
-swamp the noise floor. The noise floor is one sample of the eager-vs-compiled drift, so the
-within-noise check allows ``NOISE_MARGIN`` times it.
+swamp the noise floor. The noise floor is the largest of a few samples of how far stock torch drifts
+from itself (compiled, or started from weights one rounding unit away: bfloat16 neighbours, or
+float32 weights scaled by 1 +- 2^-9 under autocast), and the within-noise check allows
+``NOISE_MARGIN`` times it.
 
 The summary is printed last: the table, then the targets as PASS/FAIL lines ("Llama-style decoder:
 cukit >= 1.0x stock, eager and compiled, autocast and pure bf16; loss curves within the noise
@@ -167,6 +169,7 @@ class Config:
     patch_linear: bool = False  # cukit.nn.patch(linear=True, conv1d=True): every linear layer cukit's
     loss_accumulation: str | None = None  # the patched HF models' LinearCrossEntropyOptions.grad_accumulation
     patch_off: tuple[str, ...] = ()  # cukit.nn.patch rules switched off on the cukit side (attribution)
+    noise_seeds: int = 2  # stock eager runs from perturbed weights per precision (the noise floor)
     dry_run: bool = False
     seed: int = 0
     out: str | None = None
@@ -216,11 +219,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise-seeds", type=int, default=2,
+                   help="stock eager runs from weights perturbed by one rounding unit, per precision: "
+                        "samples of the noise floor beside eager-vs-compiled (default 2; 0: none)")
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear,
+    cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear, noise_seeds=args.noise_seeds,
                  loss_accumulation=args.loss_accumulation, patch_off=_patch_rules(args.patch_off),
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
@@ -617,8 +623,27 @@ def _sync(cuda: bool) -> None:
         _torch().cuda.synchronize()
 
 
-def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any]) -> None:
-    """Train one (model, setting, impl) for ``cfg.steps`` steps; fill `row` with its numbers."""
+def perturb_(model: Any, seed: int) -> None:
+    """Every parameter moved by one rounding unit of the training precision, in a random direction
+    per element: a bfloat16 parameter to its neighbouring bfloat16 value, a float32 one (autocast,
+    whose matmuls round to bfloat16) by a factor 1 +- 2^-9, bfloat16's half unit. Two correct
+    implementations differ by roundings of this size; how far such a start drifts is the noise."""
+    torch = _torch()
+    g = torch.Generator().manual_seed(10_007 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            up = (torch.rand(p.shape, generator=g) < 0.5).to(p.device)
+            if p.dtype == torch.bfloat16:
+                p.copy_(torch.where(up, torch.nextafter(p, p.new_tensor(math.inf)),
+                                    torch.nextafter(p, p.new_tensor(-math.inf))))
+            else:
+                p.mul_(torch.where(up, 1.0 + 2.0**-9, 1.0 - 2.0**-9).to(p.dtype))
+
+
+def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any],
+               perturb: int | None = None) -> None:
+    """Train one (model, setting, impl) for ``cfg.steps`` steps; fill `row` with its numbers.
+    `perturb`: start from weights moved by one rounding unit (:func:`perturb_`, this seed)."""
     torch = _torch()
     cfg = b.cfg
     mode, precision = setting.split("-")
@@ -634,6 +659,8 @@ def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str,
             work.report_printed = True
     if precision == "bf16":
         model = model.to(torch.bfloat16)
+    if perturb is not None:
+        perturb_(model, perturb)
     loss_module = work.wrap(model).train()
     row["params"] = count_params(loss_module)
     row["cukit_modules"] = count_cukit_modules(loss_module)
@@ -716,15 +743,21 @@ def compare_setting(rows: list[dict[str, Any]]) -> None:
             r["loss_rel_diff"] = loss_rel_diff(r.get("losses"), ref.get("losses"))
 
 
-def noise_floors(rows: list[dict[str, Any]]) -> None:
-    """Per precision of one model: torch eager against torch compiled, written on every row of it,
-    and each row's within-noise verdict."""
+def noise_floors(rows: list[dict[str, Any]], perturbed: dict[str, list[list[float]]] | None = None) -> None:
+    """Per precision of one model, the noise floor: the largest of torch eager against torch
+    compiled and of torch eager against its runs from perturbed weights (`perturbed`: precision ->
+    loss curves), written on every row of that precision with its samples, and each row's
+    within-noise verdict."""
     for precision in ("bf16", "amp"):
         sel = [r for r in rows if r.get("precision") == precision]
         curves = {r["mode"]: r.get("losses") for r in sel if r["impl"] == "torch" and r.get("losses")}
-        floor = loss_rel_diff(curves.get("compile"), curves.get("eager"))
+        samples = [loss_rel_diff(curves.get("compile"), curves.get("eager"))]
+        samples += [loss_rel_diff(c, curves.get("eager")) for c in (perturbed or {}).get(precision, [])]
+        got = [x for x in samples if x is not None]
+        floor = max(got) if got else None
         for r in sel:
             r["noise_floor"] = floor
+            r["noise_samples"] = got
             d = r.get("loss_rel_diff")
             if r["impl"] != "torch" and d is not None and floor is not None:
                 r["within_noise"] = bool(d <= NOISE_MARGIN * floor)
@@ -777,10 +810,31 @@ def run_model(b: Bench, name: str) -> list[dict[str, Any]]:
             b.case_s[(name, mode)] = time.perf_counter() - t0
             release_memory(b.cuda)
         compare_setting(srows)
-    noise_floors(rows)
+    noise_floors(rows, perturbed_curves(b, work, name, rows))
     del work
     release_memory(b.cuda)
     return rows
+
+
+def perturbed_curves(b: Bench, work: Workload, name: str, rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
+    """Stock eager runs from perturbed weights (``cfg.noise_seeds`` per precision with a stock
+    eager row): their loss curves by precision. Untimed for the table; a failure only drops the
+    sample (recorded)."""
+    out: dict[str, list[list[float]]] = {}
+    for r in rows:
+        if r["impl"] != "torch" or r["mode"] != "eager" or not r.get("losses"):
+            continue
+        for seed in range(b.cfg.noise_seeds):
+            if b.skip_reason(b.case_s.get((name, "eager"), 0.0)):
+                break
+            extra: dict[str, Any] = {}
+            try:
+                train_case(b, work, r["setting"], "torch", extra, perturb=seed)
+                out.setdefault(r["precision"], []).append(extra["losses"])
+            except Exception as e:
+                b.record_failure(f"{name} {r['setting']} noise sample {seed}", e)
+            release_memory(b.cuda)
+    return out
 
 
 def _progress(r: dict[str, Any]) -> None:
