@@ -158,6 +158,9 @@ class Shampoo(torch.optim.Optimizer):
         root_method: ``cukit.linalg.matrix_inverse_root``'s method ("auto", "eigh", "newton").
         root_dtype: torch.float32, or torch.float64 to compute the roots in float64 (factors and
             roots are stored in float32).
+        matmul_precision: the float32 GEMMs' precision on CUDA (factor updates, preconditioning and
+            the Newton roots' products): "ieee" (default) or "tf32" (tensor cores, inputs rounded to
+            10 mantissa bits; see :func:`cukit.set_matmul_precision`).
         maximize: ascend instead.
         Per param group: lr, weight_decay, decoupled_weight_decay, maximize; the others are the
         optimizer's (a group that sets another value raises ValueError).
@@ -190,13 +193,14 @@ class Shampoo(torch.optim.Optimizer):
         "grafting_epsilon": chk.NON_NEGATIVE,
         "root_method": _choice(("auto", "eigh", "newton")),
         "root_dtype": _root_dtype,
+        "matmul_precision": _choice(("ieee", "tf32")),
         "maximize": chk.FLAG,
         "capturable": chk.FLAG,
     }
     # one value for the whole optimizer (the layout, the root schedule and the stacked state are
     # shared by every group); lr, weight_decay, decoupled_weight_decay and maximize are per group
     _GLOBAL = ("betas", "epsilon", "max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step",
-               "grafting", "grafting_epsilon", "root_method", "root_dtype")
+               "grafting", "grafting_epsilon", "root_method", "root_dtype", "matmul_precision")
 
     def __init__(
         self,
@@ -214,6 +218,7 @@ class Shampoo(torch.optim.Optimizer):
         grafting_epsilon: float = 1e-8,
         root_method: str = "auto",
         root_dtype: torch.dtype = torch.float32,
+        matmul_precision: str = "ieee",
         maximize: bool = False,
         capturable: bool = False,
     ) -> None:
@@ -222,7 +227,7 @@ class Shampoo(torch.optim.Optimizer):
             decoupled_weight_decay=decoupled_weight_decay, max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
             grafting=grafting, grafting_epsilon=grafting_epsilon, root_method=root_method, root_dtype=root_dtype,
-            maximize=maximize, capturable=capturable,
+            matmul_precision=matmul_precision, maximize=maximize, capturable=capturable,
         )
         chk.check(_OWNER, self._rules, values)
         values["betas"] = tuple(values["betas"])
@@ -407,9 +412,12 @@ class Shampoo(torch.optim.Optimizer):
             torch._foreach_add_(dst, new)
 
     def _update(self, lay: _Layout, grad_scale: Tensor | None, ok: Tensor | None) -> None:
-        from cukit.ops.matmul import gemm
+        import functools
+
+        from cukit.ops.matmul import gemm as _gemm
 
         hp = self.defaults
+        gemm = functools.partial(_gemm, precision=hp.get("matmul_precision", "ieee"))
         beta1, beta2 = (float(b) for b in hp["betas"])
         f32 = torch.float32
         ps = lay.params
@@ -526,8 +534,9 @@ class Shampoo(torch.optim.Optimizer):
         rdt = hp["root_dtype"]
         for s, f in lay.factors.items():
             a = f if rdt == torch.float32 else f.to(rdt)
+            prec = hp.get("matmul_precision", "ieee") if rdt == torch.float32 else "ieee"
             x, info = matrix_inverse_root(a, _ROOT, eps=float(hp["epsilon"]), method=hp["root_method"],
-                                          return_info=True)
+                                          return_info=True, precision=prec)
             x = x.to(device=f.device, dtype=torch.float32)
             info = info.to(device=f.device)
             # info 1 (Newton not converged within max_iters) is still a finite, improving iterate

@@ -444,3 +444,21 @@ def test_cuda_graph_capture() -> None:
     torch.cuda.synchronize()
     for a, b in zip(params, twin, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_matmul_precision_option() -> None:
+    """matmul_precision is checked, kept in the defaults, and "tf32" changes nothing on the CPU
+    (the reference GEMMs); on CUDA it selects the tensor-core GEMMs (bench_shampoo times them)."""
+    with pytest.raises(ValueError, match=r"matmul_precision"):
+        Shampoo([torch.zeros(4, 4, requires_grad=True)], matmul_precision="fp16")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 5, generator=g)
+    grads = [torch.randn(6, 5, generator=g) for _ in range(3)]
+    a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+    oa, ob = Shampoo([a], lr=0.01), Shampoo([b], lr=0.01, matmul_precision="tf32")
+    assert ob.defaults["matmul_precision"] == "tf32"
+    for gr in grads:
+        a.grad, b.grad = gr.clone(), gr.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(a, b)
