@@ -196,8 +196,12 @@ class _LowBit(MultiTensorOptimizer):
     _qstates: ClassVar[tuple[tuple[str, bool], ...]] = ()
     _qkernel: ClassVar[str] = ""
 
-    def _lowbit_setup(self, min_8bit_size: int, master_weights: bool | str) -> dict[str, Any]:
+    def _lowbit_setup(self, min_8bit_size: int, master_weights: bool | str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Checks and keeps the low-bit options; returns the twin's keyword arguments: `kwargs`
+        plus the master-weight flag and float32 state (``state_dtype`` is refused)."""
         owner = type(self).__name__
+        if "state_dtype" in kwargs:
+            raise TypeError(f"{owner}: state_dtype does not apply (the states are quantised)")
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             raise TypeError(f"{owner}: min_8bit_size must be an int >= 0; got {chk.describe(min_8bit_size)}")
         if not (isinstance(master_weights, bool) or master_weights == "residual"):
@@ -207,7 +211,7 @@ class _LowBit(MultiTensorOptimizer):
         self._residual = master_weights == "residual"
         self._block = 256 if self._bits == 8 else 128
         self._qtables: dict[torch.device, Tensor] = {}
-        return {"master_weights": bool(master_weights), "state_dtype": torch.float32}
+        return {**kwargs, "master_weights": bool(master_weights), "state_dtype": torch.float32}
 
     def _codes(self) -> list[Tensor]:
         if self._bits == 8:
@@ -440,10 +444,8 @@ class Adam8bit(_LowBit, Adam):
     ) -> None:
         if amsgrad is True:
             raise ValueError(f"{type(self).__name__}: amsgrad=True is not supported with quantised states")
-        extra = self._lowbit_setup(min_8bit_size, master_weights)
-        if "state_dtype" in kwargs:
-            raise TypeError(f"{type(self).__name__}: state_dtype does not apply (the states are quantised)")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs, **extra)
+        kw = self._lowbit_setup(min_8bit_size, master_weights, kwargs)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
 
     def _kernel_name(self, ctype: str, bits: int, mode: int) -> str:
         return f"adam_qstep<{ctype}, {bits}, {mode}, {'true' if self._decoupled else 'false'}>"
@@ -502,10 +504,8 @@ class Lion8bit(_LowBit, Lion):
         master_weights: bool | str = False,
         **kwargs: Any,
     ) -> None:
-        extra = self._lowbit_setup(min_8bit_size, master_weights)
-        if "state_dtype" in kwargs:
-            raise TypeError(f"{type(self).__name__}: state_dtype does not apply (the states are quantised)")
-        super().__init__(params, lr, betas, weight_decay, **kwargs, **extra)
+        kw = self._lowbit_setup(min_8bit_size, master_weights, kwargs)
+        super().__init__(params, lr, betas, weight_decay, **kw)
 
 
 class SGD8bit(_LowBit, SGD):
@@ -531,10 +531,8 @@ class SGD8bit(_LowBit, SGD):
         master_weights: bool | str = False,
         **kwargs: Any,
     ) -> None:
-        extra = self._lowbit_setup(min_8bit_size, master_weights)
-        if "state_dtype" in kwargs:
-            raise TypeError(f"{type(self).__name__}: state_dtype does not apply (the states are quantised)")
-        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, **kwargs, **extra)
+        kw = self._lowbit_setup(min_8bit_size, master_weights, kwargs)
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, **kw)
 
     def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
         momentum = group.get("momentum", 0)
