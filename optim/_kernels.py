@@ -70,7 +70,7 @@ def lowbit_masters(param: str) -> tuple[int, ...]:
 
 def _lowbit(make: object) -> dict[str, list[str]]:
     return {
-        f"lowbit/{p}": [x for bits in LOWBIT_BITS for m in lowbit_masters(p) for x in make(_c(p), bits, m)]  # type: ignore[operator]
+        f"{p}/lowbit": [x for bits in LOWBIT_BITS for m in lowbit_masters(p) for x in make(_c(p), bits, m)]  # type: ignore[operator]
         for p in LOWBIT_DTYPES
     }
 

@@ -89,3 +89,8 @@ def test_every_declared_kernel_exists_for_every_combo() -> None:
     assert len(k.ADAM.all_instantiations()) == 4 * len(k.COMBOS) + 2 * lowbit + 1
     assert len(k.SGD.all_instantiations()) == 2 * len(k.COMBOS) + lowbit + 1
     assert len(k.LION.all_instantiations()) == len(k.COMBOS) + lowbit
+    # the quantised groups are named by their parameter dtype, so `--dtypes` selects them
+    from cukit._warmup import plan
+
+    groups = {(j.module, j.group) for j in plan("sm_90", ["adam"], ["bfloat16"])}
+    assert ("adam.cu", "bfloat16/lowbit") in groups and ("adam.cu", "float32/lowbit") not in groups
