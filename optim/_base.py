@@ -79,6 +79,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler passes grad_scale / found_inf
     _module: ClassVar[KernelModule]
     _has_step: ClassVar[bool] = True
+    # the state holding a launch's master-weight list (the low-bit optimizers' residual mode: another)
+    _master_key: str = "master_param"
     # why DTensor (sharded) parameters cannot hold for this optimizer, or None (elementwise updates)
     _no_sharding: ClassVar[str | None] = None
     # how each hyperparameter (constructor argument or param-group key) is checked: optim/_checks.py

@@ -156,7 +156,7 @@ def localize_plan(opt: MultiTensorOptimizer, plan: _Plan, kernels: bool) -> None
             )
         grads.append(local(g))
     plan.grads = grads
-    mkey = "master_residual" if getattr(opt, "_residual", False) else "master_param"
+    mkey = opt._master_key
     names = [*plan.states, *([mkey] if plan.masters is not None else [])]
     lists: dict[str, list[Tensor]] = {k: [] for k in names}
     for p in params:

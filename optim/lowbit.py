@@ -209,14 +209,22 @@ class _LowBit(MultiTensorOptimizer):
             raise error(f"{owner}: master_weights must be False, True or 'residual'; got {chk.describe(master_weights)}")
         self._min_size = min_8bit_size
         self._residual = master_weights == "residual"
+        if self._residual:
+            self._master_key = "master_residual"
         self._block = 256 if self._bits == 8 else 128
         self._qtables: dict[torch.device, Tensor] = {}
         return {**kwargs, "master_weights": bool(master_weights), "state_dtype": torch.float32}
 
     def _codes(self) -> list[Tensor]:
-        if self._bits == 8:
-            return [dynamic_map(signed, 8) for _, signed in self._qstates]
-        return [dynamic_map(True, 4) if signed else linear_map(4) for _, signed in self._qstates]
+        """The code table of each state (built once per optimizer: the CPU reference reads them every step)."""
+        codes = self.__dict__.get("_code_tables")
+        if codes is None:
+            if self._bits == 8:
+                codes = [dynamic_map(signed, 8) for _, signed in self._qstates]
+            else:
+                codes = [dynamic_map(True, 4) if signed else linear_map(4) for _, signed in self._qstates]
+            self._code_tables = codes
+        return codes
 
     def _qtable(self, device: torch.device) -> Tensor:
         t = self._qtables.get(device)
@@ -331,34 +339,32 @@ class _LowBit(MultiTensorOptimizer):
         return f"{self._qkernel}<{ctype}, {bits}, {mode}>"
 
     def _reference(self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: Tensor | None) -> None:
-        names = [name for name, _ in self._qstates]
-        if not plan.variant[-1]:
-            twin = _Plan(plan.gids, plan.params, plan.grads,
-                         {name: plan.states[f"state{i + 1}"] for i, name in enumerate(names)},
-                         None if self._residual else plan.masters, plan.pname, plan.sname, plan.variant[:-1])
-            twin.scratch = plan.scratch
-            if self._residual and plan.masters is not None:
-                self._reference_residual(group, plan, twin, steps, gmul)
-            else:
-                super()._reference(group, twin, steps, gmul)
-            return
+        """The twin's reference on the states under its names: decoded first and re-encoded after
+        for a quantised plan, as they are for a float32 one."""
+        quant = plan.variant[-1]
         codes = self._codes()
-        dec: dict[str, list[Tensor]] = {name: [] for name in names}
-        for i, name in enumerate(names):
-            for p, c, a in zip(plan.params, plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"], strict=True):
-                dec[name].append(dequantize_blockwise(c, a, codes[i], self._block, p.numel(), self._bits).view(p.shape))
-        twin = _Plan(plan.gids, plan.params, plan.grads, dec, None if self._residual else plan.masters,
+        states: dict[str, list[Tensor]] = {}
+        for i, (name, _) in enumerate(self._qstates):
+            st = plan.states[f"state{i + 1}"]
+            if quant:
+                scales = plan.states[f"absmax{i + 1}"]
+                st = [dequantize_blockwise(c, a, codes[i], self._block, p.numel(), self._bits).view(p.shape)
+                      for p, c, a in zip(plan.params, st, scales, strict=True)]
+            states[name] = st
+        twin = _Plan(plan.gids, plan.params, plan.grads, states, None if self._residual else plan.masters,
                      plan.pname, plan.sname, plan.variant[:-1])
         twin.scratch = plan.scratch
         if self._residual and plan.masters is not None:
             self._reference_residual(group, plan, twin, steps, gmul)
         else:
             super()._reference(group, twin, steps, gmul)
-        for i, name in enumerate(names):
-            for x, c, a in zip(dec[name], plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"], strict=True):
-                nc, na = quantize_blockwise(x, codes[i], self._block, self._bits)
-                c.view(-1).copy_(nc)
-                a.copy_(na)
+        if quant:
+            for i, (name, _) in enumerate(self._qstates):
+                for x, c, a in zip(states[name], plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"],
+                                   strict=True):
+                    nc, na = quantize_blockwise(x, codes[i], self._block, self._bits)
+                    c.view(-1).copy_(nc)
+                    a.copy_(na)
 
     def _reference_residual(
         self, group: dict[str, Any], plan: _Plan, twin: _Plan, steps: list[float], gmul: Tensor | None

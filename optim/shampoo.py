@@ -32,6 +32,7 @@ See also: ``distributed_shampoo.DistributedShampoo`` (facebookresearch/optimizer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -412,12 +413,10 @@ class Shampoo(torch.optim.Optimizer):
             torch._foreach_add_(dst, new)
 
     def _update(self, lay: _Layout, grad_scale: Tensor | None, ok: Tensor | None) -> None:
-        import functools
-
         from cukit.ops.matmul import gemm as _gemm
 
         hp = self.defaults
-        gemm = functools.partial(_gemm, precision=hp.get("matmul_precision", "ieee"))
+        gemm = functools.partial(_gemm, precision=hp["matmul_precision"])
         beta1, beta2 = (float(b) for b in hp["betas"])
         f32 = torch.float32
         ps = lay.params
@@ -534,7 +533,7 @@ class Shampoo(torch.optim.Optimizer):
         rdt = hp["root_dtype"]
         for s, f in lay.factors.items():
             a = f if rdt == torch.float32 else f.to(rdt)
-            prec = hp.get("matmul_precision", "ieee") if rdt == torch.float32 else "ieee"
+            prec = hp["matmul_precision"] if rdt == torch.float32 else "ieee"
             x, info = matrix_inverse_root(a, _ROOT, eps=float(hp["epsilon"]), method=hp["root_method"],
                                           return_info=True, precision=prec)
             x = x.to(device=f.device, dtype=torch.float32)
