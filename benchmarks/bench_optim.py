@@ -151,6 +151,14 @@ def make_impls(opt: str, device: str) -> list[tuple[str, Callable[[list[Any]], A
     return out
 
 
+def step_numbers(t: Any, host_us: float, nbytes: float, copy_bw: float) -> dict[str, Any]:
+    """A timed step's row entries: median and min ms, the effective TB/s of `nbytes` moved, its
+    fraction of the copy bandwidth, host µs per step."""
+    rate = nbytes / (t.ms * 1e-3)
+    return {"ms": t.ms, "min_ms": t.min_ms, "tbps": rate / 1e12, "frac_copy": rate / copy_bw if copy_bw else None,
+            "host_us": host_us}
+
+
 def run_case(
     cfg: Config,
     set_name: str,
@@ -237,13 +245,7 @@ def run_case(
             )
             host = harness.host_cost_us(o.step, iters=hi, rounds=rounds, warmup=1)
             nbytes = numel * traffic_bytes(set_name, opt, dtype_name)
-            row.update(
-                ms=t.ms,
-                min_ms=t.min_ms,
-                tbps=nbytes / (t.ms * 1e-3) / 1e12,
-                frac_copy=(nbytes / (t.ms * 1e-3)) / copy_bw if copy_bw else None,
-                host_us=host,
-            )
+            row.update(step_numbers(t, host, nbytes, copy_bw))
             del o, params
             print(f"  {set_name:17s} {opt + extra:19s} {impl:34s} {t.ms:9.3f} ms", flush=True)
         except Exception as e:  # recorded, the run goes on
@@ -357,8 +359,7 @@ def run_lowbit_case(cfg: Config, set_name: str, opt: str, copy_bw: float, rows: 
             host = harness.host_cost_us(o.step, iters=cfg.host_iters, rounds=3, warmup=1)
             fp32_bytes = 4 * TRAFFIC["AdamW" if LOWBIT_TWIN[opt] == "Adam" else LOWBIT_TWIN[opt]]
             nbytes = numel * (lowbit_bytes(opt) if "bit" in impl.split()[-1] else fp32_bytes)
-            row.update(ms=t.ms, min_ms=t.min_ms, tbps=nbytes / (t.ms * 1e-3) / 1e12,
-                       frac_copy=(nbytes / (t.ms * 1e-3)) / copy_bw if copy_bw else None, host_us=host)
+            row.update(step_numbers(t, host, nbytes, copy_bw))
             del o, params
             print(f"  {set_name:17s} {opt:19s} {impl:34s} {t.ms:9.3f} ms  "
                   f"{row['state_bytes_per_param']:.3f} B/param", flush=True)
