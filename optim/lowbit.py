@@ -275,29 +275,29 @@ class _LowBit(MultiTensorOptimizer):
     def _state_dtype_for(self, p: Tensor, key: str, sdt: torch.dtype) -> torch.dtype:
         return torch.uint8 if key.startswith("state") and self.quantised(p) else torch.float32
 
+    def _state_numel(self, p: Tensor, key: str) -> int:
+        """Elements of state `key` of `p` on this rank: the local shard's for float32 states and
+        8-bit codes, half of them for 4-bit codes, one per block for the scales."""
+        n = _distributed.local(p).numel()
+        if key.startswith("absmax"):
+            return -(-n // self._block)
+        return -(-n // 2) if self._bits == 4 and self.quantised(p) else n
+
     def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
         if not self.quantised(p):
             return super()._new_state(p, key, group, dtype)
-        n = _distributed.local(p).numel()  # blocks of the local shard
         if key.startswith("absmax"):
-            st = self.state[p]
             i = key.removeprefix("absmax")
-            st[f"qmap{i}"] = self._codes()[int(i) - 1].to(p.device)
-            return torch.zeros(-(-n // self._block), dtype=torch.float32, device=p.device)
-        if self._bits == 8:
+            self.state[p][f"qmap{i}"] = self._codes()[int(i) - 1].to(p.device)
+            return torch.zeros(self._state_numel(p, key), dtype=torch.float32, device=p.device)
+        if self._bits == 8:  # laid out like the parameter (a DTensor parameter's codes are sharded like it)
             return torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
-        return torch.zeros(-(-n // 2), dtype=torch.uint8, device=p.device)
+        return torch.zeros(self._state_numel(p, key), dtype=torch.uint8, device=p.device)
 
     def _check_state(self, p: Tensor, key: str, v: Tensor) -> None:
         """A loaded state's size must be this layout's (bitsandbytes' min_8bit_size may differ)."""
-        n = _distributed.local(p).numel()
         q = self.quantised(p)
-        if key.startswith("absmax"):
-            want = -(-n // self._block)
-        elif q and self._bits == 4:
-            want = -(-n // 2)
-        else:
-            want = n
+        want = self._state_numel(p, key)
         got = _distributed.local(v).numel()
         if got != want or (key.startswith("state") and (v.dtype == torch.uint8) != q):
             raise ValueError(
