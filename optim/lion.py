@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from cukit.optim import _checks as chk
-from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
-from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._base import _Plan
 from cukit.optim._kernels import LION
-
-from cukit.interop import DTYPES
+from cukit.optim._spec import Spec, SpecOptimizer
 
 __all__ = ["Lion"]
 
 
-class Lion(MultiTensorOptimizer):
+def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+    b1, b2 = group["betas"]
+    ref.lion(plan.params, plan.grads, plan.states["exp_avg"], plan.masters, lr=float(group["lr"]),
+             beta1=float(b1), beta2=float(b2), weight_decay=group["weight_decay"], maximize=group["maximize"],
+             gmul=gmul)
+
+
+LION_SPEC = Spec(
+    name="Lion",
+    module=LION,
+    kernel="lion_step<{P}, {S}, {M}>",
+    rules={
+        "lr": chk.LR,
+        "betas": chk.betas(high_open=False),  # lion-pytorch allows 1
+        "weight_decay": chk.NON_NEGATIVE,
+        "maximize": chk.FLAG,
+    },
+    states=lambda group: ("exp_avg",),
+    hp=lambda g: (float(g["betas"][0]), float(g["betas"][1]), float(g["weight_decay"]), -1.0 if g["maximize"] else 1.0),
+    reference=_reference,
+)
+
+
+class Lion(SpecOptimizer):
     """Lion (Chen et al. 2023), fused over every tensor in one launch:
     ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g); m = b2 m + (1-b2) g``. State: ``exp_avg``.
 
@@ -28,14 +49,7 @@ class Lion(MultiTensorOptimizer):
     See also: ``lion_pytorch.Lion``.
     """
 
-    _module = LION
-    _has_step = False
-    _rules: ClassVar[dict[str, chk.Rule]] = {
-        "lr": chk.LR,
-        "betas": chk.betas(high_open=False),  # lion-pytorch allows 1
-        "weight_decay": chk.NON_NEGATIVE,
-        "maximize": chk.FLAG,
-    }
+    spec = LION_SPEC
 
     def __init__(
         self,
@@ -58,37 +72,4 @@ class Lion(MultiTensorOptimizer):
             master_weights=master_weights,
             state_dtype=state_dtype,
             max_grad_norm=max_grad_norm,
-        )
-
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg",)
-
-    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
-        b1, b2 = group["betas"]
-        return (float(b1), float(b2), float(group["weight_decay"]), -1.0 if group["maximize"] else 1.0)
-
-    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
-        name = plan.scratch.get("kernel")
-        if name is None:
-            m = "true" if plan.masters is not None else "false"
-            name = plan.scratch["kernel"] = (
-                f"lion_step<{DTYPES[plan.pname].ctype}, {DTYPES[plan.sname].ctype}, {m}>"
-            )
-        eng.launch_update(LION, name, plan.table, extra=plan.extra, **self._common_args(plan, common))  # type: ignore[arg-type]
-
-    def _reference(
-        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
-    ) -> None:
-        b1, b2 = group["betas"]
-        ref.lion(
-            plan.params,
-            plan.grads,
-            plan.states["exp_avg"],
-            plan.masters,
-            lr=float(group["lr"]),
-            beta1=float(b1),
-            beta2=float(b2),
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            gmul=gmul,
         )
