@@ -35,7 +35,8 @@ class Spec:
     """What makes one optimizer.
 
     kernel: the update kernel's name, formatted with P and S (the parameter's and state's C types),
-        M (master weights, "true"/"false") and the variant's entries by name (``variant_names``).
+        M (master weights, "true"/"false"), the variant's entries by name (``variant_names``) and
+        the class's flags (``class_flags``: AdamW's ``_decoupled``).
     states: the state names of a param group (torch's names, in the kernel's list order).
     hp: the group's hyperparameters as the kernel reads them (at most eng.K_HP floats).
     counter: "steps" (a float32 step count per tensor, counted by mt_count_step and passed to the
@@ -52,6 +53,7 @@ class Spec:
     reference: Callable[..., None]
     variant: Callable[[Group], tuple[Any, ...]] = _no_variant
     variant_names: tuple[str, ...] = ()
+    class_flags: tuple[str, ...] = ()  # kernel-template flags from the class (``_<name>`` attributes)
     counter: str | None = None
     extra: Callable[[Any, _Plan, dict[str, Any]], tuple[Any, ...]] | None = field(default=None)
 
@@ -86,6 +88,7 @@ class SpecOptimizer(MultiTensorOptimizer):
         name = plan.scratch.get("kernel")
         if name is None:
             names = dict(zip(self.spec.variant_names, map(_flag, plan.variant), strict=False))
+            names.update({f: _flag(getattr(self, f"_{f}")) for f in self.spec.class_flags})
             name = plan.scratch["kernel"] = self.spec.kernel.format(
                 P=DTYPES[plan.pname].ctype, S=DTYPES[plan.sname].ctype, M=_flag(plan.masters is not None), **names
             )

@@ -2,26 +2,73 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, ClassVar
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from cukit.optim import _checks as chk
-from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
-from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._base import _Plan
 from cukit.optim._kernels import ADAM
-
-from cukit.interop import DTYPES
+from cukit.optim._spec import Spec, SpecOptimizer
 
 __all__ = ["Adam", "AdamW"]
 
 
-def _ctype(name: str) -> str:
-    return DTYPES[name].ctype
+def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+    b1, b2 = group["betas"]
+    ref.adam(
+        plan.params,
+        plan.grads,
+        plan.states["exp_avg"],
+        plan.states["exp_avg_sq"],
+        plan.states.get("max_exp_avg_sq"),
+        steps,
+        plan.masters,
+        lr=float(group["lr"]),
+        beta1=float(b1),
+        beta2=float(b2),
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        maximize=group["maximize"],
+        decoupled=opt._decoupled,
+        gmul=gmul,
+    )
 
 
-class Adam(MultiTensorOptimizer):
+def _hp(group: Mapping[str, Any]) -> tuple[float, ...]:
+    b1, b2 = group["betas"]
+    return (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), -1.0 if group["maximize"] else 1.0)
+
+
+ADAM_SPEC = Spec(
+    name="Adam",
+    module=ADAM,
+    kernel="adam_step<{P}, {S}, {amsgrad}, {M}, {decoupled}>",
+    rules={
+        "lr": chk.LR,
+        "betas": chk.betas(),
+        "eps": chk.NON_NEGATIVE,
+        "weight_decay": chk.NON_NEGATIVE,
+        "amsgrad": chk.FLAG,
+        "maximize": chk.FLAG,
+        "foreach": chk.OPTIONAL_FLAG,
+        "capturable": chk.FLAG,
+        "differentiable": chk.FLAG,
+        "fused": chk.OPTIONAL_FLAG,
+        "decoupled_weight_decay": chk.OPTIONAL_FLAG,
+    },
+    states=lambda g: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if g["amsgrad"] else ("exp_avg", "exp_avg_sq"),
+    hp=_hp,
+    variant=lambda g: (bool(g["amsgrad"]),),
+    variant_names=("amsgrad",),
+    class_flags=("decoupled",),
+    counter="steps",
+    reference=_reference,
+)
+
+
+class Adam(SpecOptimizer):
     """Adam, fused over every tensor in one launch:
     ``m += (1-b1)(g-m); v = b2 v + (1-b2) g²; p -= lr/(1-b1^t) · m / (sqrt(v/(1-b2^t)) + eps)``
     with ``g += wd p`` (L2 penalty; AdamW decays the weights instead).
@@ -37,21 +84,8 @@ class Adam(MultiTensorOptimizer):
     See also: ``torch.optim.Adam(fused=True)``.
     """
 
-    _module = ADAM
+    spec = ADAM_SPEC
     _decoupled = False
-    _rules: ClassVar[dict[str, chk.Rule]] = {
-        "lr": chk.LR,
-        "betas": chk.betas(),
-        "eps": chk.NON_NEGATIVE,
-        "weight_decay": chk.NON_NEGATIVE,
-        "amsgrad": chk.FLAG,
-        "maximize": chk.FLAG,
-        "foreach": chk.OPTIONAL_FLAG,
-        "capturable": chk.FLAG,
-        "differentiable": chk.FLAG,
-        "fused": chk.OPTIONAL_FLAG,
-        "decoupled_weight_decay": chk.OPTIONAL_FLAG,
-    }
 
     def __init__(
         self,
@@ -109,57 +143,6 @@ class Adam(MultiTensorOptimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", self._decoupled)
-
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    def _variant(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        return (bool(group["amsgrad"]),)
-
-    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
-        b1, b2 = group["betas"]
-        return (
-            float(b1),
-            float(b2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            -1.0 if group["maximize"] else 1.0,
-        )
-
-    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
-        name = plan.scratch.get("kernel")
-        if name is None:
-            t = "true" if plan.variant[0] else "false"
-            m = "true" if plan.masters is not None else "false"
-            d = "true" if self._decoupled else "false"
-            name = plan.scratch["kernel"] = (
-                f"adam_step<{_ctype(plan.pname)}, {_ctype(plan.sname)}, {t}, {m}, {d}>"
-            )
-        args = self._common_args(plan, common)
-        eng.launch_count(ADAM, plan.steps, common["skip"])  # type: ignore[arg-type]
-        eng.launch_update(ADAM, name, plan.table, extra=(plan.steps, *plan.extra), **args)  # type: ignore[arg-type]
-
-    def _reference(
-        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
-    ) -> None:
-        b1, b2 = group["betas"]
-        ref.adam(
-            plan.params,
-            plan.grads,
-            plan.states["exp_avg"],
-            plan.states["exp_avg_sq"],
-            plan.states.get("max_exp_avg_sq"),
-            steps,
-            plan.masters,
-            lr=float(group["lr"]),
-            beta1=float(b1),
-            beta2=float(b2),
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            decoupled=self._decoupled,
-            gmul=gmul,
-        )
 
 
 class AdamW(Adam):
