@@ -3,21 +3,78 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from cukit.optim import _checks as chk
 from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
-from cukit.optim._base import MultiTensorOptimizer, _Plan
+from cukit.optim._base import _Plan
 from cukit.optim._kernels import SGD as SGD_KERNELS
-
-from cukit.interop import DTYPES
+from cukit.optim._spec import Spec, SpecOptimizer
 
 __all__ = ["SGD"]
 
 
-class SGD(MultiTensorOptimizer):
+def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+    momentum = group["momentum"] != 0
+    ref.sgd(
+        plan.params,
+        plan.grads,
+        plan.states.get("momentum_buffer") if momentum else None,
+        plan.scratch["first"],
+        plan.masters,
+        lr=float(group["lr"]),
+        momentum=group["momentum"],
+        dampening=group["dampening"],
+        weight_decay=group["weight_decay"],
+        nesterov=group["nesterov"],
+        maximize=group["maximize"],
+        gmul=gmul,
+    )
+
+
+def _counts(opt: Any, plan: _Plan, common: dict[str, Any]) -> tuple[Any, ...]:
+    """The kernel's per-tensor count of steps taken with each momentum buffer (its first step sets
+    buf = g), counted on the device until every buffer exists (then null)."""
+    momentum = plan.variant[0]
+    if momentum and "counts" not in plan.scratch:
+        fresh = plan.scratch["fresh"]
+        plan.scratch["counts"] = torch.where(fresh, 0.0, 2.0).to(device=plan.params[0].device, dtype=torch.float32)
+        if bool(fresh.any()):
+            opt._pending_counts = True
+    counts = plan.scratch.get("counts") if (momentum and opt._pending_counts) else None
+    if counts is not None:
+        eng.launch_count(SGD_KERNELS, counts, common["skip"])
+    return (counts,)
+
+
+SGD_SPEC = Spec(
+    name="SGD",
+    module=SGD_KERNELS,
+    kernel="sgd_step<{P}, {S}, {momentum}, {M}>",
+    rules={
+        "lr": chk.LR,
+        "momentum": chk.NON_NEGATIVE,
+        "dampening": chk.REAL,
+        "weight_decay": chk.number(tensor=True),
+        "nesterov": chk.FLAG,
+        "maximize": chk.FLAG,
+        "foreach": chk.OPTIONAL_FLAG,
+        "differentiable": chk.FLAG,
+        "fused": chk.OPTIONAL_FLAG,
+    },
+    states=lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (),
+    hp=lambda g: (float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"]),
+                  -1.0 if g["maximize"] else 1.0, 1.0 if g["nesterov"] else 0.0),
+    variant=lambda g: (g["momentum"] != 0,),
+    variant_names=("momentum",),
+    extra=_counts,
+    reference=_reference,
+)
+
+
+class SGD(SpecOptimizer):
     """SGD, fused over every tensor in one launch: ``g += wd p``;
     ``buf = g`` on the first step, else ``momentum buf + (1-dampening) g``;
     ``p -= lr (nesterov ? g + momentum buf : buf)`` (``p -= lr g`` without momentum).
@@ -28,19 +85,7 @@ class SGD(MultiTensorOptimizer):
     See also: ``torch.optim.SGD(fused=True)``.
     """
 
-    _module = SGD_KERNELS
-    _has_step = False
-    _rules: ClassVar[dict[str, chk.Rule]] = {
-        "lr": chk.LR,
-        "momentum": chk.NON_NEGATIVE,
-        "dampening": chk.REAL,
-        "weight_decay": chk.number(tensor=True),
-        "nesterov": chk.FLAG,
-        "maximize": chk.FLAG,
-        "foreach": chk.OPTIONAL_FLAG,
-        "differentiable": chk.FLAG,
-        "fused": chk.OPTIONAL_FLAG,
-    }
+    spec = SGD_SPEC
 
     def __init__(
         self,
@@ -88,61 +133,3 @@ class SGD(MultiTensorOptimizer):
                 f"{owner}: nesterov=True needs momentum > 0 and dampening == 0 (Nesterov momentum); "
                 f"got momentum={group['momentum']!r}, dampening={group['dampening']!r}"
             )
-
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
-
-    def _variant(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        return (group["momentum"] != 0,)
-
-    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
-        return (
-            float(group["momentum"]),
-            float(group["dampening"]),
-            float(group["weight_decay"]),
-            -1.0 if group["maximize"] else 1.0,
-            1.0 if group["nesterov"] else 0.0,
-        )
-
-    def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
-        momentum = plan.variant[0]
-        name = plan.scratch.get("kernel")
-        if name is None:
-            m = "true" if plan.masters is not None else "false"
-            mom = "true" if momentum else "false"
-            name = plan.scratch["kernel"] = (
-                f"sgd_step<{DTYPES[plan.pname].ctype}, {DTYPES[plan.sname].ctype}, {mom}, {m}>"
-            )
-        if momentum and "counts" not in plan.scratch:
-            fresh = plan.scratch["fresh"]
-            # steps taken with each buffer: 0 for a buffer created now, so that the first
-            # (not skipped) step is the one with count 1; 2 for existing ones
-            plan.scratch["counts"] = torch.where(fresh, 0.0, 2.0).to(
-                device=plan.params[0].device, dtype=torch.float32
-            )
-            if bool(fresh.any()):
-                self._pending_counts = True
-        counts = plan.scratch.get("counts") if (momentum and self._pending_counts) else None
-        args = self._common_args(plan, common)
-        if counts is not None:
-            eng.launch_count(SGD_KERNELS, counts, common["skip"])
-        eng.launch_update(SGD_KERNELS, name, plan.table, extra=(counts, *plan.extra), **args)  # type: ignore[arg-type]
-
-    def _reference(
-        self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None
-    ) -> None:
-        momentum = group["momentum"] != 0
-        ref.sgd(
-            plan.params,
-            plan.grads,
-            plan.states.get("momentum_buffer") if momentum else None,
-            plan.scratch["first"],
-            plan.masters,
-            lr=float(group["lr"]),
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-            gmul=gmul,
-        )
