@@ -55,6 +55,7 @@ class Spec:
     variant_names: tuple[str, ...] = ()
     class_flags: tuple[str, ...] = ()  # kernel-template flags from the class (``_<name>`` attributes)
     counter: str | None = None
+    initial_value: Callable[[Group], float] | None = None  # the states' start (Adagrad's sum); None: 0
     extra: Callable[[Any, _Plan, dict[str, Any]], tuple[Any, ...]] | None = field(default=None)
 
 
@@ -83,6 +84,12 @@ class SpecOptimizer(MultiTensorOptimizer):
 
     def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
         return self.spec.hp(group)
+
+    def _new_state(self, p: torch.Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+        if self.spec.initial_value is None:
+            return super()._new_state(p, key, group, dtype)
+        # full_like: a DTensor parameter (FSDP2) gets a sharded state, never a global-size one
+        return torch.full_like(p, self.spec.initial_value(group), dtype=dtype, memory_format=torch.contiguous_format)
 
     def _kernel(self, plan: _Plan) -> str:
         name = plan.scratch.get("kernel")
