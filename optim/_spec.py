@@ -55,6 +55,7 @@ class Spec:
     variant_names: tuple[str, ...] = ()
     class_flags: tuple[str, ...] = ()  # kernel-template flags from the class (``_<name>`` attributes)
     counter: str | None = None
+    launch: Callable[[Any, _Plan, dict[str, Any]], None] | None = None  # several kernels (LAMB)
     initial_value: Callable[[Group], float] | None = None  # the states' start (Adagrad's sum); None: 0
     extra: Callable[[Any, _Plan, dict[str, Any]], tuple[Any, ...]] | None = field(default=None)
 
@@ -102,6 +103,9 @@ class SpecOptimizer(MultiTensorOptimizer):
         return name
 
     def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
+        if self.spec.launch is not None:
+            self.spec.launch(self, plan, common)
+            return
         name = self._kernel(plan)
         args = self._common_args(plan, common)
         extra: tuple[Any, ...] = ()
