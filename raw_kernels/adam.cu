@@ -69,6 +69,11 @@ template <typename P, typename S, bool AMSGRAD, bool MASTER, bool DECOUPLED> str
     }
   }
 
+  // The quantised launch's element (QStateFunctor): s the decoded exp_avg and exp_avg_sq.
+  __device__ static __forceinline__ void qupdate(float& w, float g, float (&s)[2], const Ctx& c) {
+    update<false, true>(w, g, s[0], s[1], s[1], c);
+  }
+
   template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
     A w[N], g[N], m[N], v[N], vmax[N];
     if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
@@ -97,39 +102,10 @@ __global__ void __launch_bounds__(512) adam_step(CUKIT_MT_PARAMS, const float* _
   for_each_chunk<F::L>(tab, F{steps}, sh);
 }
 
-template <typename P, int BITS, int MASTER, bool DECOUPLED> struct AdamQFunctor {
-  static constexpr int L = 6 + (MASTER != 0);
-  static constexpr int E = BITS == 8 ? 8 : 4;
-  using Base = AdamFunctor<P, float, false, false, DECOUPLED>;
-  using Ctx = typename Base::Ctx;
-  Base base;
-  QCodec<BITS> q1, q2;
-
-  __device__ Ctx context(long long i, int info, const Shared& sh) const { return base.context(i, info, sh); }
-
-  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
-                                        const Ctx& c) const {
-    float w[E], g[E], m[E], v[E];
-    load_weights<P, MASTER, E>(p, 6, off, cnt, vec, w);
-    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
-    q_load<BITS, E>(p.template at<unsigned char>(2), off, cnt, vec, p.template at<float>(3)[qb], q1, m);
-    q_load<BITS, E>(p.template at<unsigned char>(4), off, cnt, vec, p.template at<float>(5)[qb], q2, v);
-#pragma unroll
-    for (int k = 0; k < E; ++k) Base::template update<false, true>(w[k], g[k], m[k], v[k], v[k], c);
-    q_store<BITS, E>(p.template at<unsigned char>(2), p.template at<float>(3), off, qb, cnt, vec, q1, m);
-    q_store<BITS, E>(p.template at<unsigned char>(4), p.template at<float>(5), off, qb, cnt, vec, q2, v);
-    store_weights<P, MASTER, E>(p, 6, off, cnt, vec, w);
-  }
-};
-
 template <typename P, int BITS, int MASTER, bool DECOUPLED>
 __global__ void __launch_bounds__(512, 2)
     adam_qstep(CUKIT_MT_PARAMS, const float* __restrict__ steps, const float* __restrict__ qtables) {
   CUKIT_MT_PROLOGUE(sh, float);
-  __shared__ float tables[2 * kQTable];
-  load_qtables(tables, qtables, 2);
-  using F = AdamQFunctor<P, BITS, MASTER, DECOUPLED>;
-  const Table<F::L> tab{table, T, C, chunk};
-  const F f{{steps}, {tables}, {tables + kQTable}};
-  for_each_qblock<F::L, F::E>(tab, f, sh);
+  run_qstates<P, BITS, MASTER, 2>(table, T, C, chunk, AdamFunctor<P, float, false, false, DECOUPLED>{steps}, qtables,
+                                  sh);
 }

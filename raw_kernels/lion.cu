@@ -43,6 +43,9 @@ template <typename P, typename S, bool MASTER> struct LionFunctor {
     m = c.b2 * m + (A(1) - c.b2) * gk;
   }
 
+  // The quantised launch's element (QStateFunctor): s[0] the decoded exp_avg.
+  __device__ static __forceinline__ void qupdate(float& w, float g, float (&s)[1], const Ctx& c) { update(w, g, s[0], c); }
+
   template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
     A w[N], g[N], m[N];
     if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
@@ -67,35 +70,8 @@ __global__ void __launch_bounds__(512) lion_step(CUKIT_MT_PARAMS) {
   for_each_chunk<F::L>(tab, F{}, sh);
 }
 
-template <typename P, int BITS, int MASTER> struct LionQFunctor {
-  static constexpr int L = 4 + (MASTER != 0);
-  static constexpr int E = BITS == 8 ? 8 : 4;
-  using Base = LionFunctor<P, float, false>;
-  using Ctx = typename Base::Ctx;
-  QCodec<BITS> q1;
-
-  __device__ Ctx context(long long i, int info, const Shared& sh) const { return Base{}.context(i, info, sh); }
-
-  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
-                                        const Ctx& c) const {
-    float w[E], g[E], m[E];
-    load_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
-    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
-    q_load<BITS, E>(p.template at<unsigned char>(2), off, cnt, vec, p.template at<float>(3)[qb], q1, m);
-#pragma unroll
-    for (int k = 0; k < E; ++k) Base::update(w[k], g[k], m[k], c);
-    q_store<BITS, E>(p.template at<unsigned char>(2), p.template at<float>(3), off, qb, cnt, vec, q1, m);
-    store_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
-  }
-};
-
 template <typename P, int BITS, int MASTER>
 __global__ void __launch_bounds__(512, 2) lion_qstep(CUKIT_MT_PARAMS, const float* __restrict__ qtables) {
   CUKIT_MT_PROLOGUE(sh, float);
-  __shared__ float tables[kQTable];
-  load_qtables(tables, qtables, 1);
-  using F = LionQFunctor<P, BITS, MASTER>;
-  const Table<F::L> tab{table, T, C, chunk};
-  const F f{{tables}};
-  for_each_qblock<F::L, F::E>(tab, f, sh);
+  run_qstates<P, BITS, MASTER, 1>(table, T, C, chunk, LionFunctor<P, float, false>{}, qtables, sh);
 }

@@ -52,6 +52,11 @@ template <typename P, typename S, bool MOMENTUM, bool MASTER> struct SgdFunctor 
     w -= c.lr * gk;
   }
 
+  // The quantised launch's element (QStateFunctor): s[0] the decoded momentum buffer.
+  __device__ static __forceinline__ void qupdate(float& w, float g, float (&s)[1], const Ctx& c) {
+    update<true>(w, g, s[0], c);
+  }
+
   template <int N> __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, const Ctx& c) const {
     A w[N], g[N], b[N];
     if constexpr (MASTER) load<float, N>(p.template at<float>(kMaster), off, w);
@@ -78,37 +83,9 @@ __global__ void __launch_bounds__(512) sgd_step(CUKIT_MT_PARAMS, const float* __
   for_each_chunk<F::L>(tab, F{counts}, sh);
 }
 
-template <typename P, int BITS, int MASTER> struct SgdQFunctor {
-  static constexpr int L = 4 + (MASTER != 0);
-  static constexpr int E = BITS == 8 ? 8 : 4;
-  using Base = SgdFunctor<P, float, true, false>;
-  using Ctx = typename Base::Ctx;
-  Base base;
-  QCodec<BITS> q1;
-
-  __device__ Ctx context(long long i, int info, const Shared& sh) const { return base.context(i, info, sh); }
-
-  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
-                                        const Ctx& c) const {
-    float w[E], g[E], b[E];
-    load_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
-    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
-    q_load<BITS, E>(p.template at<unsigned char>(2), off, cnt, vec, p.template at<float>(3)[qb], q1, b);
-#pragma unroll
-    for (int k = 0; k < E; ++k) Base::template update<true>(w[k], g[k], b[k], c);
-    q_store<BITS, E>(p.template at<unsigned char>(2), p.template at<float>(3), off, qb, cnt, vec, q1, b);
-    store_weights<P, MASTER, E>(p, 4, off, cnt, vec, w);
-  }
-};
-
 template <typename P, int BITS, int MASTER>
 __global__ void __launch_bounds__(512, 2)
     sgd_qstep(CUKIT_MT_PARAMS, const float* __restrict__ counts, const float* __restrict__ qtables) {
   CUKIT_MT_PROLOGUE(sh, float);
-  __shared__ float tables[kQTable];
-  load_qtables(tables, qtables, 1);
-  using F = SgdQFunctor<P, BITS, MASTER>;
-  const Table<F::L> tab{table, T, C, chunk};
-  const F f{{counts}, {tables}};
-  for_each_qblock<F::L, F::E>(tab, f, sh);
+  run_qstates<P, BITS, MASTER, 1>(table, T, C, chunk, SgdFunctor<P, float, true, false>{counts}, qtables, sh);
 }

@@ -403,6 +403,61 @@ __device__ __forceinline__ void for_each_qblock(const Table<L>& tab, const F& f,
   }
 }
 
+// The quantised-state launch of an optimizer (Lion8bit, SGD8bit, Adam8bit, ...): its float32
+// functor Base keeps the maths, this keeps the layout. Lists: 0 param, 1 grad, then per state its
+// codes (uint8) and block scales (float32), then the master list (MASTER 1: float32, 2: int8
+// residual). Base provides Ctx, context() and
+//   __device__ static void qupdate(float& w, float g, float (&s)[NS], const Ctx& c);
+// the update of one element with its NS states decoded, in the launch's state order.
+template <typename Base, typename P, int BITS, int MASTER, int NS> struct QStateFunctor {
+  static constexpr int L = 2 + 2 * NS + (MASTER != 0);
+  static constexpr int kMaster = 2 + 2 * NS;
+  static constexpr int E = BITS == 8 ? 8 : 4;
+  using Ctx = typename Base::Ctx;
+  Base base;
+  const float* tables;  // NS code tables of kQTable floats, in shared memory
+
+  __device__ Ctx context(long long i, int info, const Shared& sh) const { return base.context(i, info, sh); }
+
+  __device__ __forceinline__ void apply(const Ptrs<L>& p, long long off, int cnt, bool vec, long long qb,
+                                        const Ctx& c) const {
+    float w[E], g[E], s[NS][E];
+    load_weights<P, MASTER, E>(p, kMaster, off, cnt, vec, w);
+    load_part<P, E>(p.template at<P>(1), off, cnt, vec, g);
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+      q_load<BITS, E>(p.template at<unsigned char>(2 + 2 * j), off, cnt, vec, p.template at<float>(3 + 2 * j)[qb],
+                      QCodec<BITS>{tables + j * kQTable}, s[j]);
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      float e[NS];
+#pragma unroll
+      for (int j = 0; j < NS; ++j) e[j] = s[j][k];
+      Base::qupdate(w[k], g[k], e, c);
+#pragma unroll
+      for (int j = 0; j < NS; ++j) s[j][k] = e[j];
+    }
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+      q_store<BITS, E>(p.template at<unsigned char>(2 + 2 * j), p.template at<float>(3 + 2 * j), off, qb, cnt, vec,
+                       QCodec<BITS>{tables + j * kQTable}, s[j]);
+    store_weights<P, MASTER, E>(p, kMaster, off, cnt, vec, w);
+  }
+};
+
+// The body of a quantised-state kernel, called by every thread after CUKIT_MT_PROLOGUE(sh, float):
+// the NS code tables staged in shared memory once per block, then every block of every chunk.
+template <typename P, int BITS, int MASTER, int NS, typename Base>
+__device__ __forceinline__ void run_qstates(const long long* __restrict__ table, long long T, long long C,
+                                            long long chunk, const Base& base, const float* __restrict__ qtables,
+                                            const Shared& sh) {
+  __shared__ float tables[NS * kQTable];
+  load_qtables(tables, qtables, NS);
+  using F = QStateFunctor<Base, P, BITS, MASTER, NS>;
+  const Table<F::L> tab{table, T, C, chunk};
+  for_each_qblock<F::L, F::E>(tab, F{base, tables}, sh);
+}
+
 // Counts a step: steps[i] += 1 for each of the n tensors, unless *skip != 0 (torch keeps a step
 // count per parameter, as a float32 scalar; these are its storage, see TensorTable.steps).
 template <int Unused> __global__ void mt_count_step(float* __restrict__ steps, long long n, const float* __restrict__ skip) {
