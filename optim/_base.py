@@ -110,7 +110,6 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         self._norm: dict[int, dict[str, Any]] | None = None  # clipping: prepared norms by device
         self._flat_buffers: list[Tensor] = []
         self._sentinels: list[tuple[Tensor, Tensor, int, int]] = []  # (param, its grad view, their pointers)
-        self._pending_counts = False
         super().__init__(params, defaults)
         self._all = [p for g in self.param_groups for p in g["params"]]
         for p in self._all:
@@ -157,9 +156,6 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _variant(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """Compile-time choices a launch cannot mix (part of the partition key)."""
         return ()
-
-    def _hp(self, group: dict[str, Any]) -> tuple[float, ...]:
-        raise NotImplementedError
 
     def _param_variant(self, p: Tensor) -> tuple[Any, ...]:
         """Per-parameter compile-time choices (appended to the group's :meth:`_variant`)."""
@@ -276,8 +272,6 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             dev = plan.table.device  # type: ignore[union-attr]
             common = {"grad_div": scale_on.get(dev), "grad_mul": gmuls.get(dev), "skip": inf_on.get(dev)}
             self._launch(plan, common)
-        if self._pending_counts and found_inf is None:
-            self._pending_counts = False  # every momentum buffer now exists (nothing was skipped)
         return loss
 
     # ---------------------------------------------------------------- pointers and plans
@@ -449,39 +443,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             plan.steps = _gather_steps([self.state[p]["step"] for p in params], device)
             for i, p in enumerate(params):
                 self.state[p]["step"] = plan.steps[i]
-        self._refresh_hp(plan)
         return plan
-
-    def _refresh_hp(self, plan: _Plan) -> None:
-        vals: list[float] = []
-        for gi in plan.gids:
-            h = self._hp(self.param_groups[gi])
-            vals.extend(h)
-            vals.extend([0.0] * (eng.K_HP - len(h)))
-        tup = tuple(vals)
-        if tup != plan.hp_values:
-            if plan.hp is not None and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "cukit.optim: hyperparameters other than lr changed during CUDA-graph capture"
-                )
-            plan.hp = eng.hp_tensor(tup, plan.params[0].device)
-            plan.hp_values = tup
-
-    def _lrs(self, plan: _Plan) -> tuple[list[float], Tensor | None]:
-        lrs = [self.param_groups[gi]["lr"] for gi in plan.gids]
-        if any(isinstance(v, Tensor) for v in lrs):
-            dev = plan.params[0].device
-            if len(lrs) == 1:  # no stack: a float64 lr tensor on the device is read in place
-                return eng.no_lr(), torch.as_tensor(lrs[0], dtype=torch.float64, device=dev).reshape(1)
-            return eng.no_lr(), torch.stack(
-                [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(()) for v in lrs]
-            )
-        return [float(v) for v in lrs] + [0.0] * (eng.MAX_GROUPS - len(lrs)), None
-
-    def _common_args(self, plan: _Plan, common: dict[str, Any]) -> dict[str, Any]:
-        self._refresh_hp(plan)
-        lrs, lr_dev = self._lrs(plan)
-        return {"hp": plan.hp, "groups": len(plan.gids), "lrs": lrs, "lr_dev": lr_dev, **common}
 
     # ---------------------------------------------------------------- flat gradients
     def _make_flat_grads(self) -> None:
@@ -527,11 +489,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- clipping
     def _clip_coefficients(self, grad_scale: _OnDevice) -> dict[int, Tensor]:
-        """The clipping coefficient ``min(1, max_norm / (||g / grad_scale|| + 1e-6))`` over every
-        gradient, as a float32 0-dim tensor on each device that has parameters (no host sync).
-
-        One device: the norm kernels' finalize computes it. Several: each device's norm, combined
-        in float64 on the first device, and the coefficient copied to the others."""
+        """The clipping coefficient over every gradient (:func:`clip_coefficients`), a float32
+        0-dim tensor on each device that has parameters (no host sync)."""
         from cukit.optim import utils
 
         if self._sharded:  # the norm over every rank's shards: one all_reduce
@@ -541,19 +500,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             for plan in self._plans:
                 by.setdefault(plan.table.device, []).extend(plan.grads)  # type: ignore[union-attr]
             self._norm = {d: utils.prepare_norm(gs) for d, gs in by.items()}
-        max_norm = self._max_grad_norm
-        if len(self._norm) == 1:
-            ((d, prep),) = self._norm.items()
-            return {d: utils.run_norm(prep, grad_div=grad_scale.get(d), max_norm=max_norm)["coef"]}
-        first = next(iter(self._norm))
-        home = torch.device("cuda", first)
-        norms = [
-            utils.run_norm(prep, grad_div=grad_scale.get(d))["norm"].to(home, non_blocking=True)
-            for d, prep in self._norm.items()
-        ]
-        total = torch.stack(norms).double().square().sum().sqrt().float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # type: ignore[operator]
-        return {d: coef if d == first else coef.to(torch.device("cuda", d), non_blocking=True) for d in self._norm}
+        return clip_coefficients(self._norm, self._max_grad_norm, grad_scale)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- reference path
     def _reference_step(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
@@ -577,7 +524,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             if self._has_step:
                 counts = [self.state[p]["step"] for p in plan.scratch.get("keys", plan.params)]
                 torch._foreach_add_(counts, 1.0)
-                steps = _values(counts)
+                steps = values(counts)
             first = plan.scratch.get("first")
             if first is None:
                 first = plan.scratch["first"] = plan.scratch["fresh"].tolist()
@@ -619,7 +566,28 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         return parts
 
 
-def _values(counts: list[Tensor]) -> list[float]:
+def clip_coefficients(norms: dict[int, dict[str, Any]], max_norm: float, grad_scale: _OnDevice) -> dict[int, Tensor]:
+    """The clipping coefficient ``min(1, max_norm / (||g / grad_scale|| + 1e-6))`` on each device of
+    `norms` (device -> utils.prepare_norm of its gradients), with no host sync. One device: the norm
+    kernels' finalize computes it. Several: each device's norm, combined in float64 on the first
+    device, and the coefficient copied to the others."""
+    from cukit.optim import utils
+
+    if len(norms) == 1:
+        ((d, prep),) = norms.items()
+        return {d: utils.run_norm(prep, grad_div=grad_scale.get(d), max_norm=max_norm)["coef"]}
+    first = next(iter(norms))
+    home = torch.device("cuda", first)
+    parts = [
+        utils.run_norm(prep, grad_div=grad_scale.get(d))["norm"].to(home, non_blocking=True)
+        for d, prep in norms.items()
+    ]
+    total = torch.stack(parts).double().square().sum().sqrt().float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # type: ignore[operator]
+    return {d: coef if d == first else coef.to(torch.device("cuda", d), non_blocking=True) for d in norms}
+
+
+def values(counts: list[Tensor]) -> list[float]:
     """The values of 0-dim tensors: one stack and one read when they share a device (as the
     reference's step counts do, unless a state_dict put some elsewhere)."""
     if not counts:

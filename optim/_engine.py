@@ -247,3 +247,27 @@ def hp_tensor(values: Sequence[float], device: torch.device | int) -> torch.Tens
     their accumulation type): a new device allocation each time it changes (a synchronous copy from
     pageable memory; the previous array stays valid for kernels in flight)."""
     return torch.tensor(list(values), dtype=torch.float64, device=device)
+
+
+def pack_hp(per_group: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """The hyperparameters of a launch's groups, K_HP floats per group (zero-padded) in group order."""
+    out: list[float] = []
+    for h in per_group:
+        if len(h) > K_HP:
+            raise ValueError(f"cukit.optim: a launch takes at most {K_HP} hyperparameters per group; got {len(h)}")
+        out.extend(h)
+        out.extend([0.0] * (K_HP - len(h)))
+    return tuple(out)
+
+
+def lr_args(lrs: Sequence[Any], device: torch.device) -> tuple[list[float], torch.Tensor | None]:
+    """The learning rates of a launch's groups as the kernels take them: MAX_GROUPS Python floats,
+    or (when any is a tensor) a float64 device vector, read in place for a single float64 lr tensor
+    on the device (a scheduler's update reaches the kernel with no copy and no host sync)."""
+    if any(isinstance(v, torch.Tensor) for v in lrs):
+        if len(lrs) == 1:
+            return no_lr(), torch.as_tensor(lrs[0], dtype=torch.float64, device=device).reshape(1)
+        return no_lr(), torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in lrs]
+        )
+    return [float(v) for v in lrs] + [0.0] * (MAX_GROUPS - len(lrs)), None

@@ -12,10 +12,10 @@ from cukit.optim._base import _Plan
 from cukit.optim._kernels import ADAGRAD
 from cukit.optim._spec import Spec, SpecOptimizer
 
-__all__ = ["Adagrad"]
+__all__ = ["ADAGRAD_SPEC", "Adagrad"]
 
 
-def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+def _reference(spec: Spec, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
     ref.adagrad(
         plan.params,
         plan.grads,

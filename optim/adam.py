@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -12,10 +13,10 @@ from cukit.optim._base import _Plan
 from cukit.optim._kernels import ADAM
 from cukit.optim._spec import Spec, SpecOptimizer
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["ADAMW_SPEC", "ADAM_SPEC", "Adam", "AdamW"]
 
 
-def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+def _reference(spec: Spec, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
     b1, b2 = group["betas"]
     ref.adam(
         plan.params,
@@ -31,7 +32,7 @@ def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float],
         eps=group["eps"],
         weight_decay=group["weight_decay"],
         maximize=group["maximize"],
-        decoupled=opt._decoupled,
+        decoupled=spec.flags["decoupled"],
         gmul=gmul,
     )
 
@@ -62,10 +63,13 @@ ADAM_SPEC = Spec(
     hp=_hp,
     variant=lambda g: (bool(g["amsgrad"]),),
     variant_names=("amsgrad",),
-    class_flags=("decoupled",),
+    flags=MappingProxyType({"decoupled": False}),
     counter="steps",
     reference=_reference,
+    qstates=(("exp_avg", True), ("exp_avg_sq", False)),  # Adam8bit, AdamW8bit, AdamW4bit
+    qkernel="adam_qstep<{P}, {bits}, {mode}, {decoupled}>",
 )
+ADAMW_SPEC = ADAM_SPEC.replace(name="AdamW", flags=MappingProxyType({"decoupled": True}))
 
 
 class Adam(SpecOptimizer):
@@ -85,7 +89,6 @@ class Adam(SpecOptimizer):
     """
 
     spec = ADAM_SPEC
-    _decoupled = False
 
     def __init__(
         self,
@@ -122,12 +125,13 @@ class Adam(SpecOptimizer):
                 decoupled_weight_decay=decoupled_weight_decay,
             )
         )
-        if decoupled_weight_decay is not None and decoupled_weight_decay != self._decoupled:
+        decoupled = self.spec.flags["decoupled"]
+        if decoupled_weight_decay is not None and decoupled_weight_decay != decoupled:
             raise ValueError(
-                f"{type(self).__name__} has decoupled_weight_decay={self._decoupled}; use "
+                f"{type(self).__name__} has decoupled_weight_decay={decoupled}; use "
                 f"cukit.optim.{'AdamW' if decoupled_weight_decay else 'Adam'}"
             )
-        defaults["decoupled_weight_decay"] = self._decoupled
+        defaults["decoupled_weight_decay"] = decoupled
         super().__init__(
             params,
             defaults,
@@ -142,7 +146,7 @@ class Adam(SpecOptimizer):
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
-            group.setdefault("decoupled_weight_decay", self._decoupled)
+            group.setdefault("decoupled_weight_decay", self.spec.flags["decoupled"])
 
 
 class AdamW(Adam):
@@ -152,7 +156,7 @@ class AdamW(Adam):
     See also: ``torch.optim.AdamW(fused=True)``.
     """
 
-    _decoupled = True
+    spec = ADAMW_SPEC
 
     def __init__(
         self,

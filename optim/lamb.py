@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,14 +11,14 @@ from cukit.optim import _engine as eng
 from cukit.optim import _reference as ref
 from cukit.optim._base import _Plan
 from cukit.optim._kernels import LAMB as LAMB_KERNELS
-from cukit.optim._spec import Spec, SpecOptimizer
+from cukit.optim._spec import Spec, SpecOptimizer, launch_args
 
 from cukit.interop import DTYPES, current_stream
 
-__all__ = ["LAMB"]
+__all__ = ["LAMB", "LAMB_SPEC"]
 
 
-def _launch(opt: Any, plan: _Plan, common: dict[str, Any]) -> None:
+def _launch(spec: Spec, plan: _Plan, groups: Sequence[Mapping[str, Any]], common: dict[str, Any]) -> None:
     """Two passes and a per-tensor ratio: stage 1 (moments, update direction, per-chunk norms),
     the trust ratios, stage 2 (the step)."""
     table = plan.table
@@ -34,7 +34,7 @@ def _launch(opt: Any, plan: _Plan, common: dict[str, Any]) -> None:
         plan.scratch["partial"] = torch.empty(2 * max(table.C, 1), dtype=torch.float64, device=dev)
         plan.scratch["ratio"] = torch.empty(max(table.T, 1), dtype=torch.float64, device=dev)
     partial, ratio = plan.scratch["partial"], plan.scratch["ratio"]
-    args = opt._common_args(plan, common)
+    args = launch_args(spec, plan, groups, common)
     eng.launch_count(LAMB_KERNELS, plan.steps, common["skip"])
     eng.launch_update(LAMB_KERNELS, plan.scratch["stage1"], table, extra=(plan.steps, partial), **args)
     if table.C:
@@ -50,7 +50,7 @@ def _launch(opt: Any, plan: _Plan, common: dict[str, Any]) -> None:
     eng.launch_update(LAMB_KERNELS, plan.scratch["stage2"], table, extra=(plan.steps, ratio), **args)
 
 
-def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+def _reference(spec: Spec, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
     b1, b2 = group["betas"]
     ref.lamb(
         plan.params,

@@ -12,10 +12,10 @@ from cukit.optim._base import _Plan
 from cukit.optim._kernels import LION
 from cukit.optim._spec import Spec, SpecOptimizer
 
-__all__ = ["Lion"]
+__all__ = ["LION_SPEC", "Lion"]
 
 
-def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+def _reference(spec: Spec, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
     b1, b2 = group["betas"]
     ref.lion(plan.params, plan.grads, plan.states["exp_avg"], plan.masters, lr=float(group["lr"]),
              beta1=float(b1), beta2=float(b2), weight_decay=group["weight_decay"], maximize=group["maximize"],
@@ -35,6 +35,8 @@ LION_SPEC = Spec(
     states=lambda group: ("exp_avg",),
     hp=lambda g: (float(g["betas"][0]), float(g["betas"][1]), float(g["weight_decay"]), -1.0 if g["maximize"] else 1.0),
     reference=_reference,
+    qstates=(("exp_avg", True),),  # Lion8bit
+    qkernel="lion_qstep<{P}, {bits}, {mode}>",
 )
 
 

@@ -38,9 +38,10 @@ from cukit.optim import _checks as chk
 from cukit.optim import _distributed
 from cukit.optim._base import MultiTensorOptimizer, _Plan
 from cukit.optim._kernels import lowbit_masters
-from cukit.optim.adam import Adam
-from cukit.optim.lion import Lion
-from cukit.optim.sgd import SGD
+from cukit.optim._spec import Spec, quantised
+from cukit.optim.adam import ADAM_SPEC, ADAMW_SPEC, Adam
+from cukit.optim.lion import LION_SPEC, Lion
+from cukit.optim.sgd import SGD, SGD_SPEC
 
 from cukit._device import sm_count
 from cukit.interop import DTYPES
@@ -191,10 +192,7 @@ class _LowBit(MultiTensorOptimizer):
     hyperparameters, kernels' maths and reference; here the state layout, the launches with codes,
     and the state_dict mapping."""
 
-    _bits: ClassVar[int] = 8
-    # per state: (the twin's state name, signed map)
-    _qstates: ClassVar[tuple[tuple[str, bool], ...]] = ()
-    _qkernel: ClassVar[str] = ""
+    spec: ClassVar[Spec]  # a quantised spec (optim/_spec.py quantised): its bits, qstates, qkernel
 
     def _lowbit_setup(self, min_8bit_size: int, master_weights: bool | str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Checks and keeps the low-bit options; returns the twin's keyword arguments: `kwargs`
@@ -211,7 +209,7 @@ class _LowBit(MultiTensorOptimizer):
         self._residual = master_weights == "residual"
         if self._residual:
             self._master_key = "master_residual"
-        self._block = 256 if self._bits == 8 else 128
+        self._block = 256 if self.spec.bits == 8 else 128
         self._qtables: dict[torch.device, Tensor] = {}
         return {**kwargs, "master_weights": bool(master_weights), "state_dtype": torch.float32}
 
@@ -219,10 +217,10 @@ class _LowBit(MultiTensorOptimizer):
         """The code table of each state (built once per optimizer: the CPU reference reads them every step)."""
         codes = self.__dict__.get("_code_tables")
         if codes is None:
-            if self._bits == 8:
-                codes = [dynamic_map(signed, 8) for _, signed in self._qstates]
+            if self.spec.bits == 8:
+                codes = [dynamic_map(signed, 8) for _, signed in self.spec.qstates]
             else:
-                codes = [dynamic_map(True, 4) if signed else linear_map(4) for _, signed in self._qstates]
+                codes = [dynamic_map(True, 4) if signed else linear_map(4) for _, signed in self.spec.qstates]
             self._code_tables = codes
         return codes
 
@@ -267,7 +265,7 @@ class _LowBit(MultiTensorOptimizer):
         return (self.quantised(p),)
 
     def _plan_state_keys(self, group: dict[str, Any], variant: tuple[Any, ...]) -> tuple[str, ...]:
-        n = len(self._qstates)
+        n = len(self.spec.qstates)
         if variant[-1]:
             return tuple(k for i in range(1, n + 1) for k in (f"state{i}", f"absmax{i}"))
         return tuple(f"state{i}" for i in range(1, n + 1))
@@ -281,7 +279,7 @@ class _LowBit(MultiTensorOptimizer):
         n = _distributed.local(p).numel()
         if key.startswith("absmax"):
             return -(-n // self._block)
-        return -(-n // 2) if self._bits == 4 and self.quantised(p) else n
+        return -(-n // 2) if self.spec.bits == 4 and self.quantised(p) else n
 
     def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
         if not self.quantised(p):
@@ -290,7 +288,7 @@ class _LowBit(MultiTensorOptimizer):
             i = key.removeprefix("absmax")
             self.state[p][f"qmap{i}"] = self._codes()[int(i) - 1].to(p.device)
             return torch.zeros(self._state_numel(p, key), dtype=torch.float32, device=p.device)
-        if self._bits == 8:  # laid out like the parameter (a DTensor parameter's codes are sharded like it)
+        if self.spec.bits == 8:  # laid out like the parameter (a DTensor parameter's codes are sharded like it)
             return torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
         return torch.zeros(self._state_numel(p, key), dtype=torch.uint8, device=p.device)
 
@@ -303,7 +301,7 @@ class _LowBit(MultiTensorOptimizer):
             raise ValueError(
                 f"{type(self).__name__}: state {key!r} of a parameter of shape {tuple(p.shape)} has {got} "
                 f"{v.dtype} elements; this optimizer keeps {want} {'uint8 codes' if q and key.startswith('state') else 'float32'} "
-                f"(min_8bit_size={self._min_size}, {self._bits}-bit)"
+                f"(min_8bit_size={self._min_size}, {self.spec.bits}-bit)"
             )
 
     def _make_masters(self, params: list[Tensor]) -> list[Tensor]:
@@ -321,22 +319,22 @@ class _LowBit(MultiTensorOptimizer):
     def _divisors(self, plan: _Plan) -> list[int] | None:
         if not plan.variant[-1]:
             return None
-        per = [1 if self._bits == 8 else 2, self._block]
-        return [1, 1, *(per * len(self._qstates)), *([1] if plan.masters is not None else [])]
+        per = [1 if self.spec.bits == 8 else 2, self._block]
+        return [1, 1, *(per * len(self.spec.qstates)), *([1] if plan.masters is not None else [])]
 
     def _launch(self, plan: _Plan, common: dict[str, Any]) -> None:
         if plan.variant[-1] and "kernel" not in plan.scratch:
             mode = 0 if plan.masters is None else (2 if self._residual else 1)
             if mode not in lowbit_masters(plan.pname):
                 raise TypeError(f"{type(self).__name__}: no quantised kernel for {plan.pname} with master mode {mode}")
-            plan.scratch["kernel"] = self._kernel_name(DTYPES[plan.pname].ctype, self._bits, mode)
+            flags = {k: "true" if v else "false" for k, v in self.spec.flags.items()}
+            plan.scratch["kernel"] = self.spec.qkernel.format(
+                P=DTYPES[plan.pname].ctype, bits=self.spec.bits, mode=mode, **flags
+            )
             plan.extra = (self._qtable(plan.params[0].device),)
             # two resident blocks per SM walk every chunk: each block stages the code tables once
             plan.table.grid = min(plan.table.grid, 2 * sm_count(plan.table.device))  # type: ignore[union-attr]
         super()._launch(plan, common)
-
-    def _kernel_name(self, ctype: str, bits: int, mode: int) -> str:
-        return f"{self._qkernel}<{ctype}, {bits}, {mode}>"
 
     def _reference(self, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: Tensor | None) -> None:
         """The twin's reference on the states under its names: decoded first and re-encoded after
@@ -344,11 +342,11 @@ class _LowBit(MultiTensorOptimizer):
         quant = plan.variant[-1]
         codes = self._codes()
         states: dict[str, list[Tensor]] = {}
-        for i, (name, _) in enumerate(self._qstates):
+        for i, (name, _) in enumerate(self.spec.qstates):
             st = plan.states[f"state{i + 1}"]
             if quant:
                 scales = plan.states[f"absmax{i + 1}"]
-                st = [dequantize_blockwise(c, a, codes[i], self._block, p.numel(), self._bits).view(p.shape)
+                st = [dequantize_blockwise(c, a, codes[i], self._block, p.numel(), self.spec.bits).view(p.shape)
                       for p, c, a in zip(plan.params, st, scales, strict=True)]
             states[name] = st
         twin = _Plan(plan.gids, plan.params, plan.grads, states, None if self._residual else plan.masters,
@@ -359,10 +357,10 @@ class _LowBit(MultiTensorOptimizer):
         else:
             super()._reference(group, twin, steps, gmul)
         if quant:
-            for i, (name, _) in enumerate(self._qstates):
+            for i, (name, _) in enumerate(self.spec.qstates):
                 for x, c, a in zip(states[name], plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"],
                                    strict=True):
-                    nc, na = quantize_blockwise(x, codes[i], self._block, self._bits)
+                    nc, na = quantize_blockwise(x, codes[i], self._block, self.spec.bits)
                     c.view(-1).copy_(nc)
                     a.copy_(na)
 
@@ -432,8 +430,7 @@ class Adam8bit(_LowBit, Adam):
     See also: ``bitsandbytes.optim.Adam8bit`` (which decays the weights decoupled, as AdamW)."""
 
     __doc__ = (__doc__ or "") + _LOWBIT_DOC
-    _qstates = (("exp_avg", True), ("exp_avg_sq", False))
-    _qkernel = "adam_qstep"
+    spec = quantised(ADAM_SPEC, 8, "Adam8bit")
 
     def __init__(
         self,
@@ -453,9 +450,6 @@ class Adam8bit(_LowBit, Adam):
         kw = self._lowbit_setup(min_8bit_size, master_weights, kwargs)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
 
-    def _kernel_name(self, ctype: str, bits: int, mode: int) -> str:
-        return f"adam_qstep<{ctype}, {bits}, {mode}, {'true' if self._decoupled else 'false'}>"
-
 
 class AdamW8bit(Adam8bit):
     """AdamW (decoupled weight decay, default 0.01) with 8-bit blockwise states; everything else as
@@ -464,7 +458,7 @@ class AdamW8bit(Adam8bit):
     See also: ``bitsandbytes.optim.AdamW8bit``, ``torchao.optim.AdamW8bit``."""
 
     __doc__ = (__doc__ or "") + _LOWBIT_DOC
-    _decoupled = True
+    spec = quantised(ADAMW_SPEC, 8, "AdamW8bit")
 
     def __init__(
         self,
@@ -486,7 +480,7 @@ class AdamW4bit(AdamW8bit):
     See also: ``torchao.optim.AdamW4bit``."""
 
     __doc__ = (__doc__ or "") + _LOWBIT_DOC
-    _bits = 4
+    spec = quantised(ADAMW_SPEC, 4, "AdamW4bit")
 
 
 class Lion8bit(_LowBit, Lion):
@@ -496,8 +490,7 @@ class Lion8bit(_LowBit, Lion):
     See also: ``bitsandbytes.optim.Lion8bit``."""
 
     __doc__ = (__doc__ or "") + _LOWBIT_DOC
-    _qstates = (("exp_avg", True),)
-    _qkernel = "lion_qstep"
+    spec = quantised(LION_SPEC, 8, "Lion8bit")
 
     def __init__(
         self,
@@ -514,6 +507,14 @@ class Lion8bit(_LowBit, Lion):
         super().__init__(params, lr, betas, weight_decay, **kw)
 
 
+def _sgd8bit_check(group: Mapping[str, Any], owner: str) -> None:
+    momentum = group.get("momentum", 0)
+    if isinstance(momentum, (int, float)) and not momentum > 0:
+        raise ValueError(f"{owner}: momentum must be > 0 (the 8-bit state is the momentum buffer); got {momentum!r}")
+    assert SGD_SPEC.check is not None
+    SGD_SPEC.check(group, owner)
+
+
 class SGD8bit(_LowBit, SGD):
     """SGD with momentum (required, > 0) and an 8-bit blockwise ``state1`` (the momentum buffer,
     signed dynamic map, blocks of 256); maths and arguments as :class:`cukit.optim.SGD`.
@@ -521,8 +522,7 @@ class SGD8bit(_LowBit, SGD):
     See also: ``bitsandbytes.optim.SGD8bit``."""
 
     __doc__ = (__doc__ or "") + _LOWBIT_DOC
-    _qstates = (("momentum_buffer", True),)
-    _qkernel = "sgd_qstep"
+    spec = quantised(SGD_SPEC, 8, "SGD8bit").replace(check=_sgd8bit_check)
 
     def __init__(
         self,
@@ -539,10 +539,4 @@ class SGD8bit(_LowBit, SGD):
     ) -> None:
         kw = self._lowbit_setup(min_8bit_size, master_weights, kwargs)
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, **kw)
-
-    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
-        momentum = group.get("momentum", 0)
-        if isinstance(momentum, (int, float)) and not momentum > 0:
-            raise ValueError(f"{owner}: momentum must be > 0 (the 8-bit state is the momentum buffer); got {momentum!r}")
-        super()._check_combination(group, owner)
 

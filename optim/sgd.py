@@ -13,10 +13,10 @@ from cukit.optim._base import _Plan
 from cukit.optim._kernels import SGD as SGD_KERNELS
 from cukit.optim._spec import Spec, SpecOptimizer
 
-__all__ = ["SGD"]
+__all__ = ["SGD", "SGD_SPEC"]
 
 
-def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
+def _reference(spec: Spec, group: dict[str, Any], plan: _Plan, steps: list[float], gmul: torch.Tensor | None) -> None:
     momentum = group["momentum"] != 0
     ref.sgd(
         plan.params,
@@ -34,19 +34,30 @@ def _reference(opt: Any, group: dict[str, Any], plan: _Plan, steps: list[float],
     )
 
 
-def _counts(opt: Any, plan: _Plan, common: dict[str, Any]) -> tuple[Any, ...]:
+def _counts(spec: Spec, plan: _Plan, common: dict[str, Any]) -> tuple[Any, ...]:
     """The kernel's per-tensor count of steps taken with each momentum buffer (its first step sets
-    buf = g), counted on the device until every buffer exists (then null)."""
+    buf = g), counted on the device until a step that cannot be skipped has run (then every buffer
+    exists and the kernel gets null)."""
     momentum = plan.variant[0]
     if momentum and "counts" not in plan.scratch:
         fresh = plan.scratch["fresh"]
         plan.scratch["counts"] = torch.where(fresh, 0.0, 2.0).to(device=plan.params[0].device, dtype=torch.float32)
-        if bool(fresh.any()):
-            opt._pending_counts = True
-    counts = plan.scratch.get("counts") if (momentum and opt._pending_counts) else None
-    if counts is not None:
-        eng.launch_count(SGD_KERNELS, counts, common["skip"])
+        plan.scratch["pending"] = bool(fresh.any())
+    if not (momentum and plan.scratch["pending"]):
+        return (None,)
+    counts = plan.scratch["counts"]
+    eng.launch_count(spec.module, counts, common["skip"])
+    if common["skip"] is None:
+        plan.scratch["pending"] = False  # this step ran: the next ones find every buffer
     return (counts,)
+
+
+def _check(group: Mapping[str, Any], owner: str) -> None:
+    if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError(
+            f"{owner}: nesterov=True needs momentum > 0 and dampening == 0 (Nesterov momentum); "
+            f"got momentum={group['momentum']!r}, dampening={group['dampening']!r}"
+        )
 
 
 SGD_SPEC = Spec(
@@ -70,7 +81,10 @@ SGD_SPEC = Spec(
     variant=lambda g: (g["momentum"] != 0,),
     variant_names=("momentum",),
     extra=_counts,
+    check=_check,
     reference=_reference,
+    qstates=(("momentum_buffer", True),),  # SGD8bit
+    qkernel="sgd_qstep<{P}, {bits}, {mode}>",
 )
 
 
@@ -126,10 +140,3 @@ class SGD(SpecOptimizer):
             state_dtype=state_dtype,
             max_grad_norm=max_grad_norm,
         )
-
-    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
-        if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError(
-                f"{owner}: nesterov=True needs momentum > 0 and dampening == 0 (Nesterov momentum); "
-                f"got momentum={group['momentum']!r}, dampening={group['dampening']!r}"
-            )

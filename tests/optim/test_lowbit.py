@@ -159,10 +159,10 @@ def textbook(name: str, kw: dict[str, Any]) -> Any:
 
 
 def _codes(cls: type, bits: int) -> list[torch.Tensor]:
-    n = len(cls._qstates)
+    n = len(cls.spec.qstates)
     if bits == 8:
-        return [lb.dynamic_map(s, 8) for _, s in cls._qstates][:n]
-    return [lb.dynamic_map(True, 4) if s else lb.linear_map(4) for _, s in cls._qstates]
+        return [lb.dynamic_map(s, 8) for _, s in cls.spec.qstates][:n]
+    return [lb.dynamic_map(True, 4) if s else lb.linear_map(4) for _, s in cls.spec.qstates]
 
 
 CASES = [
@@ -189,7 +189,7 @@ def test_steps_match_textbook(device: str, name: str, kw: dict[str, Any], dtype:
     ps = [torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_() for s in SHAPES]
     opt = cls(ps, min_8bit_size=2000, **kw)
     step = textbook(name, kw)
-    bits, block = cls._bits, (256 if cls._bits == 8 else 128)
+    bits, block = cls.spec.bits, (256 if cls.spec.bits == 8 else 128)
     codes = _codes(cls, bits)
     for t in range(1, 6):
         before = copy.deepcopy({i: {k: v for k, v in opt.state[p].items()} for i, p in enumerate(ps)})
@@ -202,7 +202,7 @@ def test_steps_match_textbook(device: str, name: str, kw: dict[str, Any], dtype:
             g = grads[i].to(dtype).float()
             quant = p.numel() >= 2000
             st = before.get(i, {})
-            k = len(cls._qstates)
+            k = len(cls.spec.qstates)
             if t == 1 or not st:
                 states = [torch.zeros(p.numel()) for _ in range(k)]
             elif quant:
