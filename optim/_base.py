@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from cukit.optim import _checks as chk
@@ -54,6 +54,15 @@ class _Plan:
     member_gids: list[int] = field(default_factory=list)  # the param group of each tensor
     scratch: dict[str, Any] = field(default_factory=dict)
     extra: tuple[Any, ...] = ()  # appended to the update kernel's arguments (quantised: code tables)
+
+
+class EngineOptions(TypedDict, total=False):
+    """The keyword-only options every cukit optimizer takes (see :class:`MultiTensorOptimizer`)."""
+
+    flat_grads: bool
+    master_weights: bool
+    state_dtype: torch.dtype | None
+    max_grad_norm: float | None
 
 
 def _dtype_name(d: torch.dtype) -> str:

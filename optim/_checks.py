@@ -143,6 +143,13 @@ OPTIONAL_FLAG: Rule = _optional_flag
 NON_NEGATIVE: Rule = number()
 REAL: Rule = number(low=None)
 LR: Rule = number(tensor=True)
+# the flags torch.optim's Adam, AdamW, SGD and Adagrad all take (accepted for drop-in use)
+TORCH_FLAGS: dict[str, Rule] = {
+    "maximize": FLAG,
+    "foreach": OPTIONAL_FLAG,
+    "differentiable": FLAG,
+    "fused": OPTIONAL_FLAG,
+}
 
 
 def betas(*, high_open: bool = True) -> Rule:

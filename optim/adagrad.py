@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cukit.optim import _checks as chk
@@ -11,6 +11,10 @@ from cukit.optim import _reference as ref
 from cukit.optim._base import _Plan
 from cukit.optim._kernels import ADAGRAD
 from cukit.optim._spec import Spec, SpecOptimizer
+
+if TYPE_CHECKING:
+    from cukit.optim._base import EngineOptions
+    from typing_extensions import Unpack
 
 __all__ = ["ADAGRAD_SPEC", "Adagrad"]
 
@@ -36,15 +40,12 @@ ADAGRAD_SPEC = Spec(
     module=ADAGRAD,
     kernel="adagrad_step<{P}, {S}, {M}>",
     rules={
+        **chk.TORCH_FLAGS,
         "lr": chk.LR,
         "lr_decay": chk.NON_NEGATIVE,
         "weight_decay": chk.NON_NEGATIVE,
         "initial_accumulator_value": chk.NON_NEGATIVE,
         "eps": chk.NON_NEGATIVE,
-        "foreach": chk.OPTIONAL_FLAG,
-        "maximize": chk.FLAG,
-        "differentiable": chk.FLAG,
-        "fused": chk.OPTIONAL_FLAG,
     },
     states=lambda g: ("sum",),
     hp=lambda g: (float(g["lr_decay"]), float(g["weight_decay"]), float(g["eps"]), -1.0 if g["maximize"] else 1.0),
@@ -79,10 +80,7 @@ class Adagrad(SpecOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        flat_grads: bool = False,
-        master_weights: bool = False,
-        state_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
         defaults = self._defaults(
             dict(
@@ -97,14 +95,7 @@ class Adagrad(SpecOptimizer):
                 fused=fused,
             )
         )
-        super().__init__(
-            params,
-            defaults,
-            flat_grads=flat_grads,
-            master_weights=master_weights,
-            state_dtype=state_dtype,
-            max_grad_norm=max_grad_norm,
-        )
+        super().__init__(params, defaults, **options)
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state[p]

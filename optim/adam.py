@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cukit.optim import _checks as chk
@@ -12,6 +12,10 @@ from cukit.optim import _reference as ref
 from cukit.optim._base import _Plan
 from cukit.optim._kernels import ADAM
 from cukit.optim._spec import Spec, SpecOptimizer
+
+if TYPE_CHECKING:
+    from cukit.optim._base import EngineOptions
+    from typing_extensions import Unpack
 
 __all__ = ["ADAMW_SPEC", "ADAM_SPEC", "Adam", "AdamW"]
 
@@ -47,16 +51,13 @@ ADAM_SPEC = Spec(
     module=ADAM,
     kernel="adam_step<{P}, {S}, {amsgrad}, {M}, {decoupled}>",
     rules={
+        **chk.TORCH_FLAGS,
         "lr": chk.LR,
         "betas": chk.betas(),
         "eps": chk.NON_NEGATIVE,
         "weight_decay": chk.NON_NEGATIVE,
         "amsgrad": chk.FLAG,
-        "maximize": chk.FLAG,
-        "foreach": chk.OPTIONAL_FLAG,
         "capturable": chk.FLAG,
-        "differentiable": chk.FLAG,
-        "fused": chk.OPTIONAL_FLAG,
         "decoupled_weight_decay": chk.OPTIONAL_FLAG,
     },
     states=lambda g: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if g["amsgrad"] else ("exp_avg", "exp_avg_sq"),
@@ -105,10 +106,7 @@ class Adam(SpecOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool | None = None,
-        flat_grads: bool = False,
-        master_weights: bool = False,
-        state_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
         defaults = self._defaults(
             dict(
@@ -132,14 +130,7 @@ class Adam(SpecOptimizer):
                 f"cukit.optim.{'AdamW' if decoupled_weight_decay else 'Adam'}"
             )
         defaults["decoupled_weight_decay"] = decoupled
-        super().__init__(
-            params,
-            defaults,
-            flat_grads=flat_grads,
-            master_weights=master_weights,
-            state_dtype=state_dtype,
-            max_grad_norm=max_grad_norm,
-        )
+        super().__init__(params, defaults, **options)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

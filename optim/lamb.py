@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cukit.optim import _checks as chk
@@ -12,6 +12,10 @@ from cukit.optim import _reference as ref
 from cukit.optim._base import _Plan
 from cukit.optim._kernels import LAMB as LAMB_KERNELS
 from cukit.optim._spec import Spec, SpecOptimizer, launch_args
+
+if TYPE_CHECKING:
+    from cukit.optim._base import EngineOptions
+    from typing_extensions import Unpack
 
 from cukit.interop import DTYPES, current_stream
 
@@ -121,10 +125,7 @@ class LAMB(SpecOptimizer):
         *,
         maximize: bool = False,
         capturable: bool = False,
-        flat_grads: bool = False,
-        master_weights: bool = False,
-        state_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
         defaults = self._defaults(
             dict(
@@ -137,11 +138,4 @@ class LAMB(SpecOptimizer):
                 capturable=capturable,
             )
         )
-        super().__init__(
-            params,
-            defaults,
-            flat_grads=flat_grads,
-            master_weights=master_weights,
-            state_dtype=state_dtype,
-            max_grad_norm=max_grad_norm,
-        )
+        super().__init__(params, defaults, **options)

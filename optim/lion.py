@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cukit.optim import _checks as chk
@@ -11,6 +11,10 @@ from cukit.optim import _reference as ref
 from cukit.optim._base import _Plan
 from cukit.optim._kernels import LION
 from cukit.optim._spec import Spec, SpecOptimizer
+
+if TYPE_CHECKING:
+    from cukit.optim._base import EngineOptions
+    from typing_extensions import Unpack
 
 __all__ = ["LION_SPEC", "Lion"]
 
@@ -61,17 +65,7 @@ class Lion(SpecOptimizer):
         weight_decay: float = 0.0,
         *,
         maximize: bool = False,
-        flat_grads: bool = False,
-        master_weights: bool = False,
-        state_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
         defaults = self._defaults(dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
-        super().__init__(
-            params,
-            defaults,
-            flat_grads=flat_grads,
-            master_weights=master_weights,
-            state_dtype=state_dtype,
-            max_grad_norm=max_grad_norm,
-        )
+        super().__init__(params, defaults, **options)

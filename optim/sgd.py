@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cukit.optim import _checks as chk
@@ -12,6 +12,10 @@ from cukit.optim import _reference as ref
 from cukit.optim._base import _Plan
 from cukit.optim._kernels import SGD as SGD_KERNELS
 from cukit.optim._spec import Spec, SpecOptimizer
+
+if TYPE_CHECKING:
+    from cukit.optim._base import EngineOptions
+    from typing_extensions import Unpack
 
 __all__ = ["SGD", "SGD_SPEC"]
 
@@ -65,15 +69,12 @@ SGD_SPEC = Spec(
     module=SGD_KERNELS,
     kernel="sgd_step<{P}, {S}, {momentum}, {M}>",
     rules={
+        **chk.TORCH_FLAGS,
         "lr": chk.LR,
         "momentum": chk.NON_NEGATIVE,
         "dampening": chk.REAL,
         "weight_decay": chk.number(tensor=True),
         "nesterov": chk.FLAG,
-        "maximize": chk.FLAG,
-        "foreach": chk.OPTIONAL_FLAG,
-        "differentiable": chk.FLAG,
-        "fused": chk.OPTIONAL_FLAG,
     },
     states=lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (),
     hp=lambda g: (float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"]),
@@ -114,10 +115,7 @@ class SGD(SpecOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
-        flat_grads: bool = False,
-        master_weights: bool = False,
-        state_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
         defaults = self._defaults(
             dict(
@@ -132,11 +130,4 @@ class SGD(SpecOptimizer):
                 fused=fused,
             )
         )
-        super().__init__(
-            params,
-            defaults,
-            flat_grads=flat_grads,
-            master_weights=master_weights,
-            state_dtype=state_dtype,
-            max_grad_norm=max_grad_norm,
-        )
+        super().__init__(params, defaults, **options)
