@@ -178,6 +178,15 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         """The dtype state `key` of `p` is kept in (default: the launch's state dtype)."""
         return sdt
 
+    def _rank_local_state(self, p: Tensor, key: str) -> bool:
+        """Whether state `key` of DTensor `p` describes the rank's local shard rather than a part
+        of p's global tensor (quantised states' block scales); stored by _distributed.rank_local."""
+        return False
+
+    def _state_numel(self, p: Tensor, key: str) -> int:
+        """Elements of a rank-local state `key` of `p` on this rank (:meth:`_rank_local_state`)."""
+        raise NotImplementedError
+
     def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
         return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)  # DTensor p: sharded
 

@@ -41,10 +41,12 @@ __all__ = [
     "check_params",
     "clip_coefficients",
     "global_norm",
+    "largest_shard_numel",
     "local",
     "localize_plan",
     "optimizer_norm",
     "pointer_key",
+    "rank_local",
 ]
 
 Tensor = torch.Tensor
@@ -138,6 +140,57 @@ def _shard_like(v: Tensor, p: Tensor) -> Tensor:
     return DTensor.from_local(lv, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
+def largest_shard_numel(p: Tensor) -> int:
+    """The element count of DTensor `p`'s largest local shard (a shard dimension is cut as
+    torch.chunk cuts it: the first ranks hold ``ceil(size / ranks)`` rows), the same on every rank."""
+    shape = list(p.shape)
+    for i, pl in enumerate(p.placements):  # type: ignore[attr-defined]
+        if pl.is_shard():
+            d = pl.dim  # type: ignore[attr-defined]
+            shape[d] = -(-shape[d] // p.device_mesh.size(i))  # type: ignore[attr-defined]
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def rank_local(v: Tensor, p: Tensor, per_rank: int, key: str) -> Tensor:
+    """State `v` that belongs to this rank's shard of DTensor `p` (not to a part of p's global
+    tensor: block scales, packed codes) as a 1-D DTensor over p's mesh: each rank's part padded to
+    `per_rank` elements, Shard(0) across the mesh dimension that shards p (Replicate across the
+    others). torch.distributed.checkpoint then saves every rank's part and loads it back on the
+    same layout (another world size or sharding: a shape mismatch, never another rank's scales).
+    Accepts that DTensor, or a plain tensor of this rank's part (padded or not)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, placements = p.device_mesh, tuple(p.placements)  # type: ignore[attr-defined]
+    sharded = [i for i, pl in enumerate(placements) if pl.is_shard()]
+    if len(sharded) > 1:
+        raise ValueError(
+            f"cukit.optim: state {key!r} describes a parameter's local shard, which is sharded over "
+            f"{len(sharded)} mesh dimensions ({_layout(p)}); quantised states support one"
+        )
+    want = tuple(Shard(0) if pl.is_shard() else Replicate() for pl in placements)
+    total = per_rank * (mesh.size(sharded[0]) if sharded else 1)
+    if isinstance(v, DTensor):
+        if v.device_mesh == mesh and tuple(v.placements) == want and tuple(v.shape) == (total,):
+            return v
+        raise ValueError(
+            f"cukit.optim: state {key!r} of a parameter of shape {tuple(p.shape)} is a DTensor of shape "
+            f"{tuple(v.shape)} ({_layout(v)}); this layout keeps {total} elements, {per_rank} per shard "
+            f"(Shard(0)): it was saved with another sharding"
+        )
+    lv = v.reshape(-1).to(device=local(p).device)
+    if lv.numel() < per_rank:  # this rank's part unpadded (its shard is smaller than the largest)
+        lv = torch.cat([lv, lv.new_zeros(per_rank - lv.numel())])
+    elif lv.numel() != per_rank:
+        raise ValueError(
+            f"cukit.optim: state {key!r} of a parameter of shape {tuple(p.shape)} has {lv.numel()} elements; "
+            f"this rank's part has {per_rank}"
+        )
+    return DTensor.from_local(lv.contiguous(), mesh, want, run_check=False, shape=(total,), stride=(1,))
+
+
 def localize_plan(opt: MultiTensorOptimizer, plan: _Plan, kernels: bool) -> None:
     """Point `plan`'s lists at local shards (new lists; the caller's keep the DTensors, which key
     ``opt.state``), store each state and master weight of a DTensor parameter as a DTensor laid
@@ -163,10 +216,14 @@ def localize_plan(opt: MultiTensorOptimizer, plan: _Plan, kernels: bool) -> None
         st = opt.state[p]
         for k in names:
             v = st[k]
-            # a state laid out like the parameter is sharded like it; others (the block scales of
-            # quantised states, packed 4-bit codes) are this rank's own, of its local shard
-            if is_dtensor(p) and (is_dtensor(v) or v.shape == p.shape):
-                v = st[k] = _shard_like(v, p)
+            if is_dtensor(p):
+                # a state of the rank's own (the block scales of quantised states, packed 4-bit
+                # codes: they describe the local shard) is padded to one size on every rank;
+                # any other is laid out like the parameter
+                if opt._rank_local_state(p, k):
+                    v = st[k] = rank_local(v, p, opt._state_numel(p, k), k)
+                else:
+                    v = st[k] = _shard_like(v, p)
             lists[k].append(local(v))
     plan.states = {k: lists[k] for k in plan.states}
     if plan.masters is not None:

@@ -273,13 +273,18 @@ class _LowBit(MultiTensorOptimizer):
     def _state_dtype_for(self, p: Tensor, key: str, sdt: torch.dtype) -> torch.dtype:
         return torch.uint8 if key.startswith("state") and self.quantised(p) else torch.float32
 
+    def _rank_local_state(self, p: Tensor, key: str) -> bool:
+        return self.quantised(p) and (key.startswith("absmax") or (key.startswith("state") and self.spec.bits == 4))
+
     def _state_numel(self, p: Tensor, key: str) -> int:
         """Elements of state `key` of `p` on this rank: the local shard's for float32 states and
-        8-bit codes, half of them for 4-bit codes, one per block for the scales."""
-        n = _distributed.local(p).numel()
-        if key.startswith("absmax"):
-            return -(-n // self._block)
-        return -(-n // 2) if self.spec.bits == 4 and self.quantised(p) else n
+        8-bit codes, half of them for 4-bit codes, one per block for the scales. Under sharding
+        the last two are counted for the largest shard on every rank (rank-local states are
+        padded to one size: _distributed.rank_local)."""
+        if not self._rank_local_state(p, key):
+            return _distributed.local(p).numel()
+        n = _distributed.largest_shard_numel(p) if _distributed.is_dtensor(p) else p.numel()
+        return -(-n // self._block) if key.startswith("absmax") else -(-n // 2)
 
     def _new_state(self, p: Tensor, key: str, group: dict[str, Any], dtype: torch.dtype) -> Tensor:
         if not self.quantised(p):
@@ -361,8 +366,9 @@ class _LowBit(MultiTensorOptimizer):
                 for x, c, a in zip(states[name], plan.states[f"state{i + 1}"], plan.states[f"absmax{i + 1}"],
                                    strict=True):
                     nc, na = quantize_blockwise(x, codes[i], self._block, self.spec.bits)
-                    c.view(-1).copy_(nc)
-                    a.copy_(na)
+                    # under sharding the rank-local states are padded past the shard's own part
+                    c.view(-1)[: nc.numel()].copy_(nc)
+                    a[: na.numel()].copy_(na)
 
     def _reference_residual(
         self, group: dict[str, Any], plan: _Plan, twin: _Plan, steps: list[float], gmul: Tensor | None

@@ -39,7 +39,7 @@ LR = 0.05
 MAX_NORM = 0.05  # below the gradients' norm: clipping is active in every step
 RTOL, ATOL = 1e-5, 1e-6  # fp32 rounding (reduction order differs from the single-process run)
 TWO_GPUS = cukit.is_available() and torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
-CASES = ("ddp", "fsdp2", "fsdp2_torch_layout", "clip_and_flag", "zero", "dcp", "fsdp2_lowbit")
+CASES = ("ddp", "fsdp2", "fsdp2_torch_layout", "clip_and_flag", "zero", "dcp", "fsdp2_lowbit", "dcp_lowbit")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def case_fsdp2_lowbit(rank: int, device: str, tmp: str) -> None:
     w = next(iter(model.parameters()))
     assert isinstance(w, DTensor) and w.numel() == 35 and w.to_local().numel() == (20 if rank == 0 else 15)
     st = opt.state[w]
-    assert st["state1"].dtype == torch.uint8 and st["absmax1"].numel() == 1  # the shard's one block
+    assert st["state1"].dtype == torch.uint8 and st["absmax1"].to_local().numel() == 1  # the shard's one block
     for p in list(model.parameters())[1:]:
         assert opt.state[p]["state1"].dtype == torch.float32  # 7, 7 and 1 elements
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
@@ -275,6 +275,56 @@ def case_fsdp2_lowbit(rank: int, device: str, tmp: str) -> None:
     mean = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.all_reduce(mean)
     torch.testing.assert_close((mean / WORLD).tolist(), ref_losses, rtol=0.05, atol=0.0)
+
+
+def case_dcp_lowbit(rank: int, device: str, tmp: str) -> None:
+    """AdamW8bit and AdamW4bit under FSDP2 through torch.distributed.checkpoint: every rank gets
+    back its own block scales and packed codes (they describe its shard, and differ between the
+    ranks), and one more step on the saved and the loaded optimizer gives the same parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor, Shard
+
+    batches = _batches(device, STEPS + 1)
+    for cls in (co.AdamW8bit, co.AdamW4bit):
+        model = _fsdp(device)
+        opt = cls(model.parameters(), lr=LR, min_8bit_size=30)
+        _train(model, opt, batches[:STEPS], rank)
+        w = next(iter(model.parameters()))
+        scales = opt.state[w]["absmax1"]
+        assert isinstance(scales, DTensor) and tuple(scales.placements) == (Shard(0),) and scales.shape == (2,)
+        parts = [torch.zeros(1, device=device) for _ in range(WORLD)]
+        dist.all_gather(parts, scales.to_local()[:1].contiguous())
+        assert float(parts[0]) != float(parts[1])  # rank-local values: a replicated save would lose one
+        path = os.path.join(tmp, f"dcp_{cls.__name__}")
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+        other = _fsdp(device, seed=5)
+        other_opt = cls(other.parameters(), lr=LR, min_8bit_size=30)
+        sd = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, other_opt)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(other, sd["model"])
+        set_optimizer_state_dict(other, other_opt, sd["optim"])
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            assert float(other_opt.state[q]["step"]) == STEPS
+            for key in ("state1", "absmax1", "state2", "absmax2"):
+                if key in opt.state[p]:
+                    a, b = opt.state[p][key], other_opt.state[q][key]
+                    torch.testing.assert_close(_distributed_local(b), _distributed_local(a), rtol=0, atol=0,
+                                               msg=lambda m, k=key, c=cls.__name__: f"{c} {k}: {m}")
+        _train(model, opt, batches[STEPS:], rank)
+        _train(other, other_opt, batches[STEPS:], rank)
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            torch.testing.assert_close(q.to_local(), p.to_local(), rtol=0.0, atol=0.0)
+
+
+def _distributed_local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 CASE_FNS: dict[str, Callable[[int, str, str], None]] = {name: globals()[f"case_{name}"] for name in CASES}
