@@ -218,9 +218,8 @@ def case_zero(rank: int, device: str, tmp: str) -> None:
             assert float(loaded.state[p]["step"]) == STEPS
 
 
-def case_dcp(rank: int, device: str, tmp: str) -> None:
-    """Save model + optimizer with torch.distributed.checkpoint, load them into a fresh model and
-    optimizer, take one more step on both: same parameters."""
+def _dcp_round_trip(model: torch.nn.Module, opt: Any, other: torch.nn.Module, other_opt: Any, path: str) -> None:
+    """Save `model` and `opt` with torch.distributed.checkpoint and load them into `other`, `other_opt`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -229,26 +228,35 @@ def case_dcp(rank: int, device: str, tmp: str) -> None:
         set_optimizer_state_dict,
     )
 
-    batches = _batches(device, STEPS + 1)
-    model = _fsdp(device)
-    opt = co.AdamW(model.parameters(), lr=LR, max_grad_norm=MAX_NORM)
-    _train(model, opt, batches[:STEPS], rank)
-    path = os.path.join(tmp, "dcp")
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-
-    other = _fsdp(device, seed=5)
-    other_opt = co.AdamW(other.parameters(), lr=LR, max_grad_norm=MAX_NORM)
     sd = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, other_opt)}
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(other, sd["model"])
     set_optimizer_state_dict(other, other_opt, sd["optim"])
+
+
+def _same_after_one_step(model: torch.nn.Module, opt: Any, other: torch.nn.Module, other_opt: Any,
+                         batches: list[Any], rank: int) -> None:
+    _train(model, opt, batches, rank)
+    _train(other, other_opt, batches, rank)
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(q.to_local(), p.to_local(), rtol=0.0, atol=0.0)
+
+
+def case_dcp(rank: int, device: str, tmp: str) -> None:
+    """Save model + optimizer with torch.distributed.checkpoint, load them into a fresh model and
+    optimizer, take one more step on both: same parameters."""
+    batches = _batches(device, STEPS + 1)
+    model = _fsdp(device)
+    opt = co.AdamW(model.parameters(), lr=LR, max_grad_norm=MAX_NORM)
+    _train(model, opt, batches[:STEPS], rank)
+    other = _fsdp(device, seed=5)
+    other_opt = co.AdamW(other.parameters(), lr=LR, max_grad_norm=MAX_NORM)
+    _dcp_round_trip(model, opt, other, other_opt, os.path.join(tmp, "dcp"))
     for p, q in zip(model.parameters(), other.parameters(), strict=True):
         assert float(other_opt.state[q]["step"]) == STEPS
         torch.testing.assert_close(other_opt.state[q]["exp_avg"].to_local(), opt.state[p]["exp_avg"].to_local())
-    _train(model, opt, batches[STEPS:], rank)
-    _train(other, other_opt, batches[STEPS:], rank)
-    for p, q in zip(model.parameters(), other.parameters(), strict=True):
-        torch.testing.assert_close(q.to_local(), p.to_local(), rtol=0.0, atol=0.0)
+    _same_after_one_step(model, opt, other, other_opt, batches[STEPS:], rank)
 
 
 def case_fsdp2_lowbit(rank: int, device: str, tmp: str) -> None:
@@ -281,13 +289,6 @@ def case_dcp_lowbit(rank: int, device: str, tmp: str) -> None:
     """AdamW8bit and AdamW4bit under FSDP2 through torch.distributed.checkpoint: every rank gets
     back its own block scales and packed codes (they describe its shard, and differ between the
     ranks), and one more step on the saved and the loaded optimizer gives the same parameters."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
     from torch.distributed.tensor import DTensor, Shard
 
     batches = _batches(device, STEPS + 1)
@@ -301,15 +302,9 @@ def case_dcp_lowbit(rank: int, device: str, tmp: str) -> None:
         parts = [torch.zeros(1, device=device) for _ in range(WORLD)]
         dist.all_gather(parts, scales.to_local()[:1].contiguous())
         assert float(parts[0]) != float(parts[1])  # rank-local values: a replicated save would lose one
-        path = os.path.join(tmp, f"dcp_{cls.__name__}")
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=path)
         other = _fsdp(device, seed=5)
         other_opt = cls(other.parameters(), lr=LR, min_8bit_size=30)
-        sd = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, other_opt)}
-        dcp.load(sd, checkpoint_id=path)
-        set_model_state_dict(other, sd["model"])
-        set_optimizer_state_dict(other, other_opt, sd["optim"])
+        _dcp_round_trip(model, opt, other, other_opt, os.path.join(tmp, f"dcp_{cls.__name__}"))
         for p, q in zip(model.parameters(), other.parameters(), strict=True):
             assert float(other_opt.state[q]["step"]) == STEPS
             for key in ("state1", "absmax1", "state2", "absmax2"):
@@ -317,10 +312,7 @@ def case_dcp_lowbit(rank: int, device: str, tmp: str) -> None:
                     a, b = opt.state[p][key], other_opt.state[q][key]
                     torch.testing.assert_close(_distributed_local(b), _distributed_local(a), rtol=0, atol=0,
                                                msg=lambda m, k=key, c=cls.__name__: f"{c} {k}: {m}")
-        _train(model, opt, batches[STEPS:], rank)
-        _train(other, other_opt, batches[STEPS:], rank)
-        for p, q in zip(model.parameters(), other.parameters(), strict=True):
-            torch.testing.assert_close(q.to_local(), p.to_local(), rtol=0.0, atol=0.0)
+        _same_after_one_step(model, opt, other, other_opt, batches[STEPS:], rank)
 
 
 def _distributed_local(t: torch.Tensor) -> torch.Tensor:
