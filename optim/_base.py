@@ -25,7 +25,6 @@ from cukit.optim import _engine as eng
 from cukit.optim._kernels import COMBOS
 
 import cukit
-from cukit._runtime import KernelModule
 
 __all__ = ["MultiTensorOptimizer"]
 
@@ -86,14 +85,11 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler passes grad_scale / found_inf
-    _module: ClassVar[KernelModule]
     _has_step: ClassVar[bool] = True
     # the state holding a launch's master-weight list (the low-bit optimizers' residual mode: another)
     _master_key: str = "master_param"
     # why DTensor (sharded) parameters cannot hold for this optimizer, or None (elementwise updates)
     _no_sharding: ClassVar[str | None] = None
-    # how each hyperparameter (constructor argument or param-group key) is checked: optim/_checks.py
-    _rules: ClassVar[dict[str, chk.Rule]] = {}
 
     def __init__(
         self,
@@ -132,11 +128,9 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- argument checks
     def _check_args(self, values: Mapping[str, Any], where: str = "") -> None:
-        """Check `values` (argument name -> value) by ``self._rules``, then their combination
-        (:meth:`_check_combination`); TypeError / ValueError naming the class and the argument."""
-        owner = type(self).__name__
-        chk.check(owner, self._rules, values, where)
-        self._check_combination(values, f"{owner} ({where})" if where else owner)
+        """Check `values` (argument name -> value), one by one and in combination; TypeError /
+        ValueError naming the class and the argument (SpecOptimizer: by its spec's rules)."""
+        raise NotImplementedError
 
     def _defaults(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The param-group defaults from the constructor's arguments, checked first
@@ -154,9 +148,6 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if "fused" in out:
             out["fused"] = None
         return out
-
-    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
-        """Checks that involve several hyperparameters of one group (e.g. SGD's nesterov)."""
 
     # ---------------------------------------------------------------- subclass hooks
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:

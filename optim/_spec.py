@@ -168,13 +168,10 @@ class SpecOptimizer(MultiTensorOptimizer):
         super().__init_subclass__(**kwargs)
         spec = cls.__dict__.get("spec")
         if spec is not None:
-            cls._module = spec.module
-            cls._rules = dict(spec.rules)
             cls._has_step = spec.counter == "steps"
 
-    def _check_combination(self, group: Mapping[str, Any], owner: str) -> None:
-        if self.spec.check is not None:
-            self.spec.check(group, owner)
+    def _check_args(self, values: Mapping[str, Any], where: str = "") -> None:
+        check_group(self.spec, values, type(self).__name__, where)
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self.spec.states(group)
