@@ -104,15 +104,21 @@ def _flag(x: Any) -> str:
     return "true" if x else "false"
 
 
-def kernel_name(spec: Spec, plan: _Plan) -> str:
-    """The float-state update kernel of `plan` (kept in the plan's scratch after the first call)."""
+def kernel_name(spec: Spec, plan: _Plan, qmode: int | None = None) -> str:
+    """The update kernel of `plan` (kept in the plan's scratch after the first call): the float-state
+    kernel, or with `qmode` (master weights: 0 none, 1 float32, 2 int8 residual) the quantised one."""
     name = plan.scratch.get("kernel")
     if name is None:
-        names = dict(zip(spec.variant_names, map(_flag, plan.variant), strict=False))
-        names.update({k: _flag(v) for k, v in spec.flags.items()})
-        name = plan.scratch["kernel"] = spec.kernel.format(
-            P=DTYPES[plan.pname].ctype, S=DTYPES[plan.sname].ctype, M=_flag(plan.masters is not None), **names
-        )
+        flags = {k: _flag(v) for k, v in spec.flags.items()}
+        if qmode is not None:
+            name = spec.qkernel.format(P=DTYPES[plan.pname].ctype, bits=spec.bits, mode=qmode, **flags)
+        else:
+            names = dict(zip(spec.variant_names, map(_flag, plan.variant), strict=False))
+            name = spec.kernel.format(
+                P=DTYPES[plan.pname].ctype, S=DTYPES[plan.sname].ctype, M=_flag(plan.masters is not None),
+                **names, **flags,
+            )
+        plan.scratch["kernel"] = name
     return name
 
 

@@ -38,13 +38,12 @@ from cukit.optim import _checks as chk
 from cukit.optim import _distributed
 from cukit.optim._base import MultiTensorOptimizer, _Plan
 from cukit.optim._kernels import lowbit_masters
-from cukit.optim._spec import Spec, quantised
+from cukit.optim._spec import Spec, kernel_name, quantised
 from cukit.optim.adam import ADAM_SPEC, ADAMW_SPEC, Adam
 from cukit.optim.lion import LION_SPEC, Lion
 from cukit.optim.sgd import SGD, SGD_SPEC
 
 from cukit._device import sm_count
-from cukit.interop import DTYPES
 
 __all__ = [
     "Adam8bit",
@@ -332,10 +331,7 @@ class _LowBit(MultiTensorOptimizer):
             mode = 0 if plan.masters is None else (2 if self._residual else 1)
             if mode not in lowbit_masters(plan.pname):
                 raise TypeError(f"{type(self).__name__}: no quantised kernel for {plan.pname} with master mode {mode}")
-            flags = {k: "true" if v else "false" for k, v in self.spec.flags.items()}
-            plan.scratch["kernel"] = self.spec.qkernel.format(
-                P=DTYPES[plan.pname].ctype, bits=self.spec.bits, mode=mode, **flags
-            )
+            kernel_name(self.spec, plan, mode)
             plan.extra = (self._qtable(plan.params[0].device),)
             # two resident blocks per SM walk every chunk: each block stages the code tables once
             plan.table.grid = min(plan.table.grid, 2 * sm_count(plan.table.device))  # type: ignore[union-attr]
