@@ -84,6 +84,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "multi_tensor_l2norm": ("multi_tensor_l2norm.cu",),
     "per_sample_grads": ("per_sample.cu", "matmul_simt.cu", "matmul_tc.cu", "repack.cu"),
     "matrix_inverse_root": ("linalg.cu", "matmul_simt.cu", "matmul_tc.cu"),
+    "shampoo": ("shampoo.cu", "linalg.cu", "matmul_simt.cu", "matmul_tc.cu"),
 }
 # Other public names of the same kernels.
 _ALIASES: dict[str, str] = {

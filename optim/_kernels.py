@@ -1,5 +1,5 @@
 """The kernel modules of cukit.optim: every instantiation of raw_kernels/{adam,sgd,lion,lamb,adagrad,
-multi_tensor_l2norm}.cu, declared once here so that ``cukit check-kernels`` compiles them all offline.
+shampoo,multi_tensor_l2norm}.cu, declared once here so that ``cukit check-kernels`` compiles them all offline.
 
 Imports neither torch nor CuPy (``cukit check-kernels`` imports it on machines without either).
 """
@@ -18,6 +18,7 @@ __all__ = [
     "LION",
     "MT_PARAMS",
     "SGD",
+    "SHAMPOO",
     "combo_key",
 ]
 
@@ -143,6 +144,21 @@ LAMB = KernelModule(
 )
 
 _NORM_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# Shampoo's elementwise passes (optim/shampoo.py): float32 maths and states for every parameter dtype.
+SHAMPOO = KernelModule(
+    "shampoo.cu",
+    instantiations={
+        **{name: [f"shampoo_graft<{_c(name)}>", f"shampoo_update<{_c(name)}, false>",
+                  f"shampoo_update<{_c(name)}, true>"] for name in _NORM_DTYPES},
+        "steps": ["cukit::mt::mt_count_step<0>"],
+    },
+    signatures={
+        "shampoo_graft": MT_PARAMS + " ptr",
+        "shampoo_update": MT_PARAMS + " ptr",
+        "cukit::mt::mt_count_step": "ptr i64 ptr",
+    },
+)
 
 L2NORM = KernelModule(
     "multi_tensor_l2norm.cu",

@@ -20,11 +20,14 @@ shape ``(m, n)`` are stacked into (B, m, n) tensors, and every factor of size s 
 - then momentum (``beta1``, an exponential average with bias correction) and the step, with
   decoupled (AdamW) or L2 weight decay.
 
-The grafting direction is computed with torch's ``_foreach_*`` ops (a constant number of calls per
-step): the multi-tensor engine's kernels update parameters and cannot return a direction alone.
-Gathering the gradient blocks into their stacks and scattering the directions back are one
-``torch._foreach_copy_`` each. CPU tensors run the same code (the gemm and the roots take their
-references there).
+On CUDA the elementwise ends of a step are two launches of the multi-tensor engine
+(raw_kernels/shampoo.cu), whatever the number of parameters: ``shampoo_graft`` (unscale, sign, L2
+decay, the grafting state, the float32 gradient and grafting direction buffers) and
+``shampoo_update`` (momentum, its bias correction, decoupled decay and the step), plus the step
+count's. Gathering the gradient blocks into their stacks and scattering the directions back are one
+``torch._foreach_copy_`` each. CPU tensors (and more than 8 param groups) run the same maths in
+torch's ``_foreach_*`` ops (:meth:`Shampoo._graft_torch`, :meth:`Shampoo._apply_torch`), the gemm
+and the roots their references.
 
 See also: ``distributed_shampoo.DistributedShampoo`` (facebookresearch/optimizers),
 ``optax.contrib.scale_by_shampoo``.
@@ -39,6 +42,19 @@ from typing import Any, ClassVar
 
 import torch
 from cukit.optim import _checks as chk
+from cukit.optim._engine import (
+    MAX_GROUPS,
+    TensorTable,
+    hp_tensor,
+    launch_count,
+    launch_update,
+    lr_args,
+    pack_hp,
+)
+from cukit.optim._kernels import SHAMPOO
+
+import cukit
+from cukit.interop import DTYPES
 
 __all__ = ["Shampoo"]
 
@@ -105,6 +121,17 @@ class _ShapeGroup:
 
 
 @dataclass
+class _Launch:
+    """The parameters of one dtype on the CUDA path: their indices in the layout and the tables of
+    raw_kernels/shampoo.cu's two launches over them."""
+
+    ctype: str
+    index: list[int]
+    graft: Any  # TensorTable: param, grad, graft state, G, A
+    update: Any  # TensorTable: param, direction, [exp_avg]
+
+
+@dataclass
 class _Layout:
     params: list[Tensor]
     gids: list[int]
@@ -115,6 +142,11 @@ class _Layout:
     infos: dict[int, Tensor]  # size -> (N_s,) int32: the last root computation's info
     step: Tensor  # float32 0-dim, on the parameters' device
     key: tuple[int, ...] = ()
+    # the CUDA path: one (graft, update) pair of tensor tables per parameter dtype, or none (torch ops)
+    launches: list[_Launch] = field(default_factory=list)
+    grad_ptrs: list[int] = field(default_factory=list)  # the gradients the graft tables point at
+    hp_key: tuple[float, ...] = ()
+    hp: Tensor | None = None  # float64 device array of the launch's hyperparameters
     # float32 working buffers, one per parameter: the gradients, then the directions
     graft: list[Tensor] = field(default_factory=list)  # the parameters' grafting state
     moments: list[Tensor] = field(default_factory=list)  # their exp_avg (beta1 > 0)
@@ -129,6 +161,15 @@ class _Layout:
 
 def _matrix(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1)
+
+
+def _contiguous_grads(params: list[Tensor]) -> list[Tensor]:
+    """The parameters' gradients as the tables read them (a strided one copied, each step)."""
+    out = []
+    for p in params:
+        g: Tensor = p.grad  # type: ignore[assignment]
+        out.append(g if g.is_contiguous() else g.contiguous())
+    return out
 
 
 def _cuts(size: int, most: int) -> list[tuple[int, int]]:
@@ -181,6 +222,8 @@ class Shampoo(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling: ClassVar[bool] = True
+    # False: CUDA tensors take the torch-ops path too (the tests compare the two)
+    _use_kernels: bool = True
     _rules: ClassVar[dict[str, chk.Rule]] = {
         "lr": chk.LR,
         "betas": chk.betas(high_open=False),
@@ -364,8 +407,10 @@ class Shampoo(torch.optim.Optimizer):
         lay = _Layout(ps, gids, matrices, groups, factors, roots, infos, step, key)
         lay.graft = [self.state[p][gkey] for p in ps]
         lay.moments = [self.state[p]["exp_avg"] for p in ps] if beta1 != 0 else []
-        lay.gbuf = [torch.empty(p.shape, dtype=f32, device=dev) for p in ps]
-        lay.dbuf = [torch.empty(p.shape, dtype=f32, device=dev) for p in ps]
+        # zeros, not empty: a step skipped by GradScaler leaves them as they were, and the factors'
+        # select (lerp with weight 0) must not meet a NaN of uninitialised memory
+        lay.gbuf = [torch.zeros(p.shape, dtype=f32, device=dev) for p in ps]
+        lay.dbuf = [torch.zeros(p.shape, dtype=f32, device=dev) for p in ps]
         for grp in groups:
             for j, blk in enumerate(grp.blocks):
                 rows, cols = slice(blk.r0, blk.r1), slice(blk.c0, blk.c1)
@@ -373,7 +418,28 @@ class Shampoo(torch.optim.Optimizer):
                 lay.gather_src += [_matrix(lay.gbuf[blk.param])[rows, cols], _matrix(lay.dbuf[blk.param])[rows, cols]]
                 lay.scatter_dst.append(_matrix(lay.dbuf[blk.param])[rows, cols])
                 lay.scatter_src.append(grp.p[j])  # type: ignore[index]
+        if self._use_kernels and dev.type == "cuda" and cukit.is_available() and len(set(gids)) <= MAX_GROUPS:
+            self._build_launches(lay)
         return lay
+
+    def _build_launches(self, lay: _Layout) -> None:
+        """The tensor tables of the CUDA path, one pair per parameter dtype (the kernels are built
+        per dtype); each tensor's table group is its param group's position among the active ones."""
+        if not all(p.is_contiguous() for p in lay.params):
+            return  # the torch path: the tables see raw pointers
+        order = sorted(set(lay.gids))
+        local = [order.index(gi) for gi in lay.gids]
+        grads = _contiguous_grads(lay.params)
+        for dtype in sorted({p.dtype for p in lay.params}, key=str):
+            idx = [i for i, p in enumerate(lay.params) if p.dtype == dtype]
+            params, grads_, graft, gbuf, dbuf, groups = (
+                [xs[i] for i in idx] for xs in (lay.params, grads, lay.graft, lay.gbuf, lay.dbuf, local)
+            )
+            lists = [params, dbuf] + ([[lay.moments[i] for i in idx]] if lay.moments else [])
+            lay.launches.append(_Launch(DTYPES[str(dtype).removeprefix("torch.")].ctype, idx,
+                                        TensorTable([params, grads_, graft, gbuf, dbuf], groups),
+                                        TensorTable(lists, groups)))
+        lay.grad_ptrs = [g.data_ptr() for g in grads]
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -396,7 +462,7 @@ class Shampoo(torch.optim.Optimizer):
         if found_inf is not None:
             ok = (found_inf.to(dev) == 0).to(torch.float32)
         self._host_step += 1
-        self._update(lay, grad_scale, ok)
+        self._update(lay, grad_scale, ok, found_inf)
         return loss
 
     def _commit(self, dst: list[Tensor], new: list[Tensor], ok: Tensor | None) -> None:
@@ -412,19 +478,87 @@ class Shampoo(torch.optim.Optimizer):
             torch._foreach_mul_(dst, 1.0 - ok)
             torch._foreach_add_(dst, new)
 
-    def _update(self, lay: _Layout, grad_scale: Tensor | None, ok: Tensor | None) -> None:
+    def _update(self, lay: _Layout, grad_scale: Tensor | None, ok: Tensor | None,
+                found_inf: Tensor | None) -> None:
         from cukit.ops.matmul import gemm as _gemm
 
         hp = self.defaults
         gemm = functools.partial(_gemm, precision=hp["matmul_precision"])
+        beta2 = float(hp["betas"][1])
+        dev = lay.params[0].device
+        f32 = torch.float32
+        skip = None if found_inf is None else found_inf.to(device=dev, dtype=f32, non_blocking=True)
+        scale = None if grad_scale is None else grad_scale.to(device=dev, dtype=f32, non_blocking=True)
+        if lay.launches:
+            self._launch(lay, "graft", scale, skip)
+        else:
+            self._graft_torch(lay, scale, ok)
+        # ---- Kronecker factors, roots and the preconditioned, grafted directions
+        t_host = self._host_step
+        start = hp["start_preconditioning_step"]
+        precondition = t_host >= start
+        if lay.groups:
+            self._factors(lay, ok, beta2, gemm, gather_dirs=precondition)
+            if precondition and (t_host == start or (t_host - start) % hp["precondition_frequency"] == 0):
+                self._roots(lay)
+            if precondition:
+                self._precondition(lay, gemm)
+        if lay.launches:
+            self._launch(lay, "update", scale, skip)
+        else:
+            self._apply_torch(lay, ok)
+
+    def _hyperparameters(self, lay: _Layout) -> tuple[float, ...]:
+        """The kernels' per-group values (raw_kernels/shampoo.cu's hp), active groups in order."""
+        hp = self.defaults
         beta1, beta2 = (float(b) for b in hp["betas"])
+        adam = hp["grafting"] == "adam"
+        decay = beta2 if adam and beta2 != 1.0 else 1.0
+        rows = []
+        for gi in sorted(set(lay.gids)):
+            g = self.param_groups[gi]
+            wd, dec = float(g["weight_decay"]), bool(g["decoupled_weight_decay"])
+            rows.append((-1.0 if g["maximize"] else 1.0, 0.0 if dec else wd, decay, float(hp["grafting_epsilon"]),
+                         beta1, wd if dec else 0.0, 1.0 if adam else 0.0))
+        return pack_hp(rows)
+
+    def _launch(self, lay: _Layout, which: str, scale: Tensor | None, skip: Tensor | None) -> None:
+        """One of raw_kernels/shampoo.cu's passes over every parameter ("graft" also counts the
+        step, unless skipped, and points its tables at this step's gradients)."""
+        dev = lay.params[0].device
+        if which == "graft":
+            grads = _contiguous_grads(lay.params)
+            ptrs = [g.data_ptr() for g in grads]
+            if ptrs != lay.grad_ptrs:
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(f"{_OWNER}: the gradients moved during CUDA-graph capture; run the step "
+                                       "once before capturing, with the gradient tensors the graph will see")
+                for ln in lay.launches:
+                    ln.graft.set_list(1, [grads[i] for i in ln.index])
+                lay.grad_ptrs = ptrs
+            key = self._hyperparameters(lay)
+            if key != lay.hp_key:
+                lay.hp, lay.hp_key = hp_tensor(key, dev), key
+            launch_count(SHAMPOO, lay.step, skip)
+        lrs, lr_dev = lr_args([self.param_groups[gi]["lr"] for gi in sorted(set(lay.gids))], dev)
+        momentum = "true" if lay.moments else "false"
+        for ln in lay.launches:
+            table = ln.graft if which == "graft" else ln.update
+            name = f"shampoo_graft<{ln.ctype}>" if which == "graft" else f"shampoo_update<{ln.ctype}, {momentum}>"
+            launch_update(SHAMPOO, name, table, hp=lay.hp, groups=len(set(lay.gids)), lrs=lrs,  # type: ignore[arg-type]
+                          lr_dev=lr_dev, grad_div=scale, grad_mul=None, skip=skip, extra=(lay.step,))
+
+    def _graft_torch(self, lay: _Layout, scale: Tensor | None, ok: Tensor | None) -> None:
+        """shampoo_graft's maths in torch ops: the float32 gradients (unscaled, signed, L2-decayed; a
+        skipped step's zeroed so every later value is finite) and the grafting directions."""
+        hp = self.defaults
+        beta2 = float(hp["betas"][1])
         f32 = torch.float32
         ps = lay.params
-        # ---- gradients: float32, unscaled, sign, skipped steps zeroed so every later value is finite
         gs = lay.gbuf
         torch._foreach_copy_(gs, [p.grad for p in ps])  # type: ignore[misc]
-        if grad_scale is not None:
-            torch._foreach_mul_(gs, 1.0 / grad_scale.to(device=ps[0].device, dtype=f32))
+        if scale is not None:
+            torch._foreach_mul_(gs, 1.0 / scale)
         if ok is not None:
             skip = ok == 0
             for g in gs:
@@ -437,9 +571,7 @@ class Shampoo(torch.optim.Optimizer):
               if not self.param_groups[gi]["decoupled_weight_decay"] and self.param_groups[gi]["weight_decay"] != 0]
         for i, wd in l2:
             gs[i].add_(ps[i].to(f32), alpha=float(wd))
-        step = lay.step
-        new_step = step + (1.0 if ok is None else ok)
-        # ---- grafting direction (diagonal), per parameter
+        new_step = lay.step + (1.0 if ok is None else ok)
         adam = hp["grafting"] == "adam"
         vs = lay.graft
         decay = beta2 if adam and beta2 != 1.0 else 1.0
@@ -460,17 +592,13 @@ class Shampoo(torch.optim.Optimizer):
         torch._foreach_div_(dirs, denom)
         if ok is not None:
             self._commit(vs, nv, ok)
-        # ---- Kronecker factors, roots and the preconditioned, grafted directions
-        t_host = self._host_step
-        start = hp["start_preconditioning_step"]
-        precondition = t_host >= start
-        if lay.groups:
-            self._factors(lay, ok, beta2, gemm, gather_dirs=precondition)
-            if precondition and (t_host == start or (t_host - start) % hp["precondition_frequency"] == 0):
-                self._roots(lay)
-            if precondition:
-                self._precondition(lay, gemm)
-        # ---- momentum, weight decay, the update
+
+    def _apply_torch(self, lay: _Layout, ok: Tensor | None) -> None:
+        """shampoo_update's maths in torch ops: momentum, decay and the step; then the step count."""
+        beta1 = float(self.defaults["betas"][0])
+        f32 = torch.float32
+        ps, dirs, step = lay.params, lay.dbuf, lay.step
+        new_step = step + (1.0 if ok is None else ok)
         if beta1 != 0:
             ms = lay.moments
             if ok is None:

@@ -217,18 +217,23 @@ def test_tensor_lr() -> None:
 
 
 def test_grad_scale_and_found_inf() -> None:
+    _check_grad_scale("cpu")
+
+
+def _check_grad_scale(device: str) -> None:
+    """Scaled gradients with found_inf 0 step as the unscaled ones; found_inf 1 changes nothing."""
     grads = _grads(SHAPES, 3)
-    p1, p2 = _params(SHAPES), _params(SHAPES)
+    p1, p2 = _params(SHAPES, device), _params(SHAPES, device)
     o1, o2 = Shampoo(p1, lr=1e-2), Shampoo(p2, lr=1e-2)
     _run(o1, p1, grads[:2])
     for k, gs in enumerate(grads[:2]):
-        o2.grad_scale = torch.tensor(8.0)
-        o2.found_inf = torch.tensor(0.0)
+        o2.grad_scale = torch.tensor(8.0, device=device)
+        o2.found_inf = torch.tensor(0.0, device=device)
         _run(o2, p2, [[g * 8 for g in gs]])
         if k == 0:  # a skipped step (an inf in the grads) changes nothing
             before = [p.detach().clone() for p in p2]
             state = copy.deepcopy(o2.state_dict()["state"])
-            o2.found_inf = torch.tensor(1.0)
+            o2.found_inf = torch.tensor(1.0, device=device)
             _run(o2, p2, [[g * math.inf for g in gs]])
             for a, b in zip(before, p2, strict=True):
                 torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
@@ -444,6 +449,78 @@ def test_cuda_graph_capture() -> None:
     torch.cuda.synchronize()
     for a, b in zip(params, twin, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _twins(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> tuple[list[Tensor], list[Tensor]]:
+    a = [torch.nn.Parameter(p.detach().to("cuda", dt)) for p, dt in zip(_params(shapes), dtypes, strict=True)]
+    return a, [torch.nn.Parameter(p.detach().clone()) for p in a]
+
+
+def _assert_same_run(opt: Shampoo, ref: Shampoo, pa: list[Tensor], pb: list[Tensor], steps: int,
+                     strided: bool = False) -> None:
+    """Steps both optimizers on the same gradients; params and states agree at every step."""
+    assert ref._use_kernels is False
+    shapes = [tuple(p.shape) for p in pa]
+    for k, gs in enumerate(_grads(shapes, steps)):
+        for p, q, g in zip(pa, pb, gs, strict=True):
+            g = g.to("cuda", p.dtype)
+            if strided and g.dim() == 2:  # a transposed layout: the kernel path copies it
+                g = g.mT.contiguous().mT
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        assert opt._layout is not None and opt._layout.launches, "the CUDA path did not take the kernels"
+        assert ref._layout is not None and not ref._layout.launches
+        for p, q in zip(pa, pb, strict=True):
+            tol = dict(rtol=1e-5, atol=1e-6) if p.dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(p, q, **tol, msg=lambda m, k=k: f"step {k}: {m}")
+        for p, q in zip(pa, pb, strict=True):
+            for key in ("step", "exp_avg", "graft_exp_avg_sq", "graft_sum"):
+                if key in opt.state[p]:
+                    torch.testing.assert_close(opt.state[p][key], ref.state[q][key], rtol=1e-4, atol=1e-6)
+
+
+KERNEL_CASES = [*CASES, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False, max_preconditioner_dim=4,
+                             betas=(0.9, 1.0))]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kw", KERNEL_CASES, ids=range(len(KERNEL_CASES)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_cuda_kernels_match_torch_ops(kw: dict[str, Any], dtype: torch.dtype) -> None:
+    """raw_kernels/shampoo.cu's two passes against the same step in torch ops on the GPU."""
+    pa, pb = _twins(SHAPES, [dtype] * len(SHAPES))
+    opt, ref = Shampoo(pa, root_method="eigh", **kw), Shampoo(pb, root_method="eigh", **kw)
+    ref._use_kernels = False
+    _assert_same_run(opt, ref, pa, pb, 5)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernels_groups_dtypes_strided_grads() -> None:
+    """Two param groups (lr float and tensor, maximize, decoupled and L2 decay), float32 and bfloat16
+    parameters in one optimizer (one launch per dtype), gradients in a transposed layout."""
+    shapes = [(6, 5), (7,), (11, 4), (4, 3, 3, 3), (3, 9)]
+    dts = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
+    pa, pb = _twins(shapes, dts)
+
+    def groups(ps: list[Tensor]) -> list[dict[str, Any]]:
+        return [dict(params=ps[:3], weight_decay=0.1),
+                dict(params=ps[3:], lr=torch.tensor(0.05, device="cuda"), maximize=True, weight_decay=0.05,
+                     decoupled_weight_decay=False)]
+
+    kw = dict(lr=1e-2, max_preconditioner_dim=4, root_method="eigh")
+    opt, ref = Shampoo(groups(pa), **kw), Shampoo(groups(pb), **kw)
+    ref._use_kernels = False
+    _assert_same_run(opt, ref, pa, pb, 4, strided=True)
+    assert len(opt._layout.launches) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_grad_scale_and_found_inf() -> None:
+    _check_grad_scale("cuda")
 
 
 def test_matmul_precision_option() -> None:
