@@ -472,7 +472,8 @@ def _assert_same_run(opt: Shampoo, ref: Shampoo, pa: list[Tensor], pb: list[Tens
         assert opt._layout is not None and opt._layout.launches, "the CUDA path did not take the kernels"
         assert ref._layout is not None and not ref._layout.launches
         for p, q in zip(pa, pb, strict=True):
-            tol = dict(rtol=1e-5, atol=1e-6) if p.dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-2)
+            # 16-bit parameters: the two paths' float32 results may round to neighbouring values
+            tol = dict(rtol=1e-5, atol=1e-6) if p.element_size() > 2 else dict(rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(p, q, **tol, msg=lambda m, k=k: f"step {k}: {m}")
         for p, q in zip(pa, pb, strict=True):
             for key in ("step", "exp_avg", "graft_exp_avg_sq", "graft_sum"):
