@@ -6,6 +6,7 @@ Usage::
     python benchmarks/bench_models.py --models llama               # one model (results: bench_models-llama.*)
     python benchmarks/bench_models.py --models mlp,cnn --settings eager-bf16,eager-amp
     python benchmarks/bench_models.py --steps 60 --budget-s 400    # longer loss curves, tighter budget
+    python benchmarks/bench_models.py --models llama --repeats 3   # 3 rounds per setting, order alternating
     python benchmarks/bench_models.py --compile-mode max-autotune-no-cudagraphs
     python benchmarks/bench_models.py --dry-run                    # tiny configs on the CPU (smoke test)
     python benchmarks/bench_models.py --dry-run --device cuda      # tiny configs on a GPU
@@ -46,7 +47,11 @@ Step: forward (loss), ``loss.backward()``, ``opt.step()``, the learning-rate war
 ``sched.step()``, ``opt.zero_grad(set_to_none=True)``.
 Each step is timed on the host clock between two device synchronisations (a whole step as a
 training loop sees it, host overhead included: the small models are host-bound). The first
-``--warmup`` steps are not timed; every step is in the loss curve.
+``--warmup`` steps are not timed; every step is in the loss curve. A host-bound step's time drifts
+with the machine's load over seconds, so ``--repeats R`` trains every case of a setting R times,
+the impls' order reversed every other round (torch, cukit, cukit, torch, ...): ``ms`` is then the
+median of the rounds' medians and ``speedup`` the median of the rounds' paired ratios
+(``ms_rounds`` and ``speedup_rounds`` keep them); the loss curve and memory are the first round's.
 
 Columns (``<out>/<name>.json`` / ``.csv``; ``<name>`` is ``bench_models``, or with the models and
 settings appended when a subset runs, so split runs do not overwrite each other):
@@ -61,7 +66,7 @@ settings appended when a subset runs, so split runs do not overwrite each other)
 | ``first_step_s`` | wall time of step 1: torch.compile and cukit's NVRTC compiles land here, not in ``ms`` |
 | ``state_mib`` | memory the case holds between steps after warm-up (parameters + optimizer state) |
 | ``peak_mib`` | ``torch.cuda.max_memory_allocated`` over the timed steps minus the allocation at their start (activations, gradients, workspaces: what a step needs above the state) |
-| ``speedup`` | torch ``ms`` / this ``ms``, same setting, same run (> 1: faster than stock) |
+| ``speedup`` | torch ``ms`` / this ``ms``, same setting, same run (> 1: faster than stock); with ``--repeats``, the median of the rounds' ratios |
 | ``loss_rel_diff`` | max over steps of abs(loss - loss_torch) / abs(loss_torch), same setting |
 | ``noise_floor`` | the largest of the same for torch eager against torch compiled, and for torch eager against ``--noise-seeds`` stock eager runs from weights moved by one rounding unit (``noise_samples``: all of them): how far two correct implementations drift apart (they round differently); on every row of that precision |
 | ``within_noise`` | ``loss_rel_diff <= NOISE_MARGIN * noise_floor`` |
@@ -170,6 +175,7 @@ class Config:
     loss_accumulation: str | None = None  # the patched HF models' LinearCrossEntropyOptions.grad_accumulation
     patch_off: tuple[str, ...] = ()  # cukit.nn.patch rules switched off on the cukit side (attribution)
     noise_seeds: int = 2  # stock eager runs from perturbed weights per precision (the noise floor)
+    repeats: int = 1  # rounds of every case of a setting, the impls' order alternating
     dry_run: bool = False
     seed: int = 0
     out: str | None = None
@@ -219,6 +225,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every case of a setting, the impls' order reversed every other round; "
+                        "ms and speedup become medians over the rounds (default 1)")
     p.add_argument("--noise-seeds", type=int, default=2,
                    help="stock eager runs from weights perturbed by one rounding unit, per precision: "
                         "samples of the noise floor beside eager-vs-compiled (default 2; 0: none)")
@@ -226,7 +235,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    if args.repeats < 1:
+        raise SystemExit(f"{NAME}: --repeats must be >= 1")
     cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear, noise_seeds=args.noise_seeds,
+                 repeats=args.repeats,
                  loss_accumulation=args.loss_accumulation, patch_off=_patch_rules(args.patch_off),
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
@@ -256,6 +268,8 @@ def results_name(cfg: Config) -> str:
         parts.append(f"loss-{cfg.loss_accumulation}")
     if cfg.patch_off:
         parts.append("off-" + "-".join(cfg.patch_off))
+    if cfg.repeats > 1:
+        parts.append(f"x{cfg.repeats}")
     return "-".join(parts)
 
 
@@ -741,6 +755,10 @@ def compare_setting(rows: list[dict[str, Any]]) -> None:
         if r.get("ms"):
             r["speedup"] = ref["ms"] / r["ms"]
             r["loss_rel_diff"] = loss_rel_diff(r.get("losses"), ref.get("losses"))
+            a, b = ref.get("ms_rounds", []), r.get("ms_rounds", [])
+            if len(a) > 1 and len(a) == len(b):  # paired rounds: the ratio of each, then their median
+                r["speedup_rounds"] = [x / y for x, y in zip(a, b, strict=True)]
+                r["speedup"] = statistics.median(r["speedup_rounds"])
 
 
 def noise_floors(rows: list[dict[str, Any]], perturbed: dict[str, list[list[float]]] | None = None) -> None:
@@ -791,24 +809,40 @@ def run_model(b: Bench, name: str) -> list[dict[str, Any]]:
         for row in srows:
             row.update(batch=work.batch, seq=work.seq, tokens_per_step=work.tokens_per_step,
                        steps=cfg.steps, warmup=cfg.warmup)
-            mode = row["mode"]
-            reason = b.skip_reason(b.case_s.get((name, mode), 0.0))
-            if reason:
-                b.fail(row, reason)
-                continue
-            t0 = time.perf_counter()
-            try:
-                with work.case_context.get(row["impl"], contextlib.nullcontext)():
-                    train_case(b, work, s, row["impl"], row)
-                _progress(row)
-            except Exception as e:
-                b.fail(row, e)
-                print(f"  {name:5s} {s:12s} {row['impl']:10s} ERROR {row['error'][:120]}", flush=True)
-                if mode == "compile":
-                    with contextlib.suppress(Exception):
-                        _torch()._dynamo.reset()
-            b.case_s[(name, mode)] = time.perf_counter() - t0
-            release_memory(b.cuda)
+        for rnd in range(cfg.repeats):
+            for row in srows if rnd % 2 == 0 else srows[::-1]:
+                if rnd and "ms_rounds" not in row:
+                    continue  # failed or skipped in the first round
+                mode = row["mode"]
+                reason = b.skip_reason(b.case_s.get((name, mode), 0.0))
+                if reason:
+                    if rnd == 0:
+                        b.fail(row, reason)
+                    continue
+                t0 = time.perf_counter()
+                into = row if rnd == 0 else {}
+                try:
+                    with work.case_context.get(row["impl"], contextlib.nullcontext)():
+                        train_case(b, work, s, row["impl"], into)
+                    row.setdefault("ms_rounds", []).append(into["ms"])
+                    _progress(into if rnd == 0 else {**row, "ms": into["ms"]})
+                except Exception as e:
+                    if rnd == 0:
+                        b.fail(row, e)
+                        print(f"  {name:5s} {s:12s} {row['impl']:10s} ERROR {row['error'][:120]}", flush=True)
+                    else:  # a later round's failure: the rounds so far stand, paired ones only
+                        row["note"] = f"round {rnd + 1} failed: {harness.short_error(e)}"
+                    if mode == "compile":
+                        with contextlib.suppress(Exception):
+                            _torch()._dynamo.reset()
+                b.case_s[(name, mode)] = time.perf_counter() - t0
+                release_memory(b.cuda)
+        rounds = min((len(r.get("ms_rounds", [])) for r in srows if "ms_rounds" in r), default=0)
+        for row in srows:
+            if "ms_rounds" in row:
+                row["ms_rounds"] = row["ms_rounds"][:rounds]
+                if rounds > 1:
+                    row["ms"] = statistics.median(row["ms_rounds"])
         compare_setting(srows)
     noise_floors(rows, perturbed_curves(b, work, name, rows))
     del work

@@ -258,48 +258,76 @@ def train(
     warmup_steps: int = 10,
 ) -> TrainResult:
     """Train ``variant.model`` with cross-entropy over ``orders`` (one permutation per epoch) and
-    evaluate on the test split.
+    evaluate on the test split; :func:`train_variants` with one variant."""
+    return _train_lockstep([variant], data, orders, batch_size=batch_size, warmup_steps=warmup_steps)[0]
+
+
+class _Run:
+    """One variant's training state inside :func:`_train_lockstep`."""
+
+    def __init__(self, variant: Variant, n_steps: int, device: torch.device) -> None:
+        self.model = variant.model
+        self.opt = variant.optimizer(self.model.parameters())
+        self.loss_log = torch.empty(n_steps, device=device)
+        self.step_ms: list[float] = []
+        self.model.train()
+
+    def step(self, k: int, xb: torch.Tensor, yb: torch.Tensor, device: torch.device) -> None:
+        _sync(device)
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(xb), yb)
+        loss.backward()
+        self.opt.step()
+        _sync(device)
+        self.step_ms.append((time.perf_counter() - t0) * 1e3)
+        self.loss_log[k] = loss.detach()
+
+
+def _train_lockstep(
+    variants: Sequence[Variant],
+    data: Digits,
+    orders: Sequence[torch.Tensor],
+    *,
+    batch_size: int,
+    warmup_steps: int,
+) -> list[TrainResult]:
+    """Train every variant on the same batches, one step of each in turn (the order alternating
+    between steps), so that their timings see the same machine: a host-bound step's time drifts
+    with the machine's load over a run, and variants trained one after the other would compare
+    different stretches of it.
 
     Each step is timed on its own: the device is synchronised before reading the clock on both
     sides, and the batch is gathered before the clock starts. Losses stay on the device until the
-    end (no host sync inside the step).
-    """
+    end (no host sync inside the step)."""
     device = data.x_train.device
-    model = variant.model
-    opt = variant.optimizer(model.parameters())
     n = data.x_train.shape[0]
     steps_per_epoch = -(-n // batch_size)
-    loss_log = torch.empty(len(orders) * steps_per_epoch, device=device)
-    step_ms: list[float] = []
-    step = 0
-    model.train()
+    runs = [_Run(v, len(orders) * steps_per_epoch, device) for v in variants]
+    k = 0
     for order in orders:
         order = order.to(device)
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
             xb, yb = data.x_train[idx], data.y_train[idx]
-            _sync(device)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            _sync(device)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-            loss_log[step] = loss.detach()
-            step += 1
-    model.eval()
-    with torch.no_grad():
-        pred = model(data.x_test).argmax(dim=1)
-        accuracy = (pred == data.y_test).float().mean().item()
-    return TrainResult(
-        losses=loss_log[:step].tolist(),
-        step_ms=step_ms,
-        steps_per_epoch=steps_per_epoch,
-        test_accuracy=accuracy,
-        warmup_steps=min(warmup_steps, max(0, step - 1)),
-        optimizer=optimizer_name(opt),
-    )
+            for r in runs if k % 2 == 0 else runs[::-1]:
+                r.step(k, xb, yb, device)
+            k += 1
+    out = []
+    for r in runs:
+        r.model.eval()
+        with torch.no_grad():
+            pred = r.model(data.x_test).argmax(dim=1)
+            accuracy = (pred == data.y_test).float().mean().item()
+        out.append(TrainResult(
+            losses=r.loss_log[:k].tolist(),
+            step_ms=r.step_ms,
+            steps_per_epoch=steps_per_epoch,
+            test_accuracy=accuracy,
+            warmup_steps=min(warmup_steps, max(0, k - 1)),
+            optimizer=optimizer_name(r.opt),
+        ))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,11 +391,12 @@ def train_variants(
     warmup_steps: int,
     log: Callable[[str], None] | None,
 ) -> tuple[dict[str, TrainResult], float]:
-    """Train each variant on the same batches; returns the results by name and the largest
-    |loss_torch - loss_cukit| over the steps."""
+    """Train the variants on the same batches, in lockstep (:func:`_train_lockstep`); returns the
+    results by name and the largest |loss_torch - loss_cukit| over the steps."""
     results: dict[str, TrainResult] = {}
-    for v in variants:
-        results[v.name] = r = train(v, data, orders, batch_size=batch_size, warmup_steps=warmup_steps)
+    for v, r in zip(variants, _train_lockstep(variants, data, orders, batch_size=batch_size,
+                                              warmup_steps=warmup_steps), strict=True):
+        results[v.name] = r
         if log:
             log(
                 f"  {v.name:<6} {label}, {r.optimizer}: {r.ms_per_step:.3f} ms/step, "
