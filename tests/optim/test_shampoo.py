@@ -476,9 +476,12 @@ def _assert_same_run(opt: Shampoo, ref: Shampoo, pa: list[Tensor], pb: list[Tens
             tol = dict(rtol=1e-5, atol=1e-6) if p.element_size() > 2 else dict(rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(p, q, **tol, msg=lambda m, k=k: f"step {k}: {m}")
         for p, q in zip(pa, pb, strict=True):
+            # 16-bit parameters a rounding apart feed L2 decay and the next gradients' directions
+            tol = dict(rtol=1e-4, atol=1e-6) if p.element_size() > 2 else dict(rtol=1e-2, atol=1e-3)
             for key in ("step", "exp_avg", "graft_exp_avg_sq", "graft_sum"):
                 if key in opt.state[p]:
-                    torch.testing.assert_close(opt.state[p][key], ref.state[q][key], rtol=1e-4, atol=1e-6)
+                    torch.testing.assert_close(opt.state[p][key], ref.state[q][key], **tol,
+                                               msg=lambda m, k=k, key=key: f"step {k}, {key}: {m}")
 
 
 KERNEL_CASES = [*CASES, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False, max_preconditioner_dim=4,
