@@ -144,6 +144,7 @@ class _Layout:
     key: tuple[int, ...] = ()
     # the CUDA path: one (graft, update) pair of tensor tables per parameter dtype, or none (torch ops)
     launches: list[_Launch] = field(default_factory=list)
+    active_groups: list[int] = field(default_factory=list)  # the param groups in the launches, in table order
     grad_ptrs: list[int] = field(default_factory=list)  # the gradients the graft tables point at
     hp_key: tuple[float, ...] = ()
     hp: Tensor | None = None  # float64 device array of the launch's hyperparameters
@@ -427,7 +428,7 @@ class Shampoo(torch.optim.Optimizer):
         per dtype); each tensor's table group is its param group's position among the active ones."""
         if not all(p.is_contiguous() for p in lay.params):
             return  # the torch path: the tables see raw pointers
-        order = sorted(set(lay.gids))
+        lay.active_groups = order = sorted(set(lay.gids))
         local = [order.index(gi) for gi in lay.gids]
         grads = _contiguous_grads(lay.params)
         for dtype in sorted({p.dtype for p in lay.params}, key=str):
@@ -509,13 +510,13 @@ class Shampoo(torch.optim.Optimizer):
             self._apply_torch(lay, ok)
 
     def _hyperparameters(self, lay: _Layout) -> tuple[float, ...]:
-        """The kernels' per-group values (raw_kernels/shampoo.cu's hp), active groups in order."""
+        """The kernels' per-group values (raw_kernels/shampoo.cu's hp), in the tables' group order."""
         hp = self.defaults
         beta1, beta2 = (float(b) for b in hp["betas"])
         adam = hp["grafting"] == "adam"
         decay = beta2 if adam and beta2 != 1.0 else 1.0
         rows = []
-        for gi in sorted(set(lay.gids)):
+        for gi in lay.active_groups:
             g = self.param_groups[gi]
             wd, dec = float(g["weight_decay"]), bool(g["decoupled_weight_decay"])
             rows.append((-1.0 if g["maximize"] else 1.0, 0.0 if dec else wd, decay, float(hp["grafting_epsilon"]),
@@ -540,12 +541,12 @@ class Shampoo(torch.optim.Optimizer):
             if key != lay.hp_key:
                 lay.hp, lay.hp_key = hp_tensor(key, dev), key
             launch_count(SHAMPOO, lay.step, skip)
-        lrs, lr_dev = lr_args([self.param_groups[gi]["lr"] for gi in sorted(set(lay.gids))], dev)
+        lrs, lr_dev = lr_args([self.param_groups[gi]["lr"] for gi in lay.active_groups], dev)
         momentum = "true" if lay.moments else "false"
         for ln in lay.launches:
             table = ln.graft if which == "graft" else ln.update
             name = f"shampoo_graft<{ln.ctype}>" if which == "graft" else f"shampoo_update<{ln.ctype}, {momentum}>"
-            launch_update(SHAMPOO, name, table, hp=lay.hp, groups=len(set(lay.gids)), lrs=lrs,  # type: ignore[arg-type]
+            launch_update(SHAMPOO, name, table, hp=lay.hp, groups=len(lay.active_groups), lrs=lrs,  # type: ignore[arg-type]
                           lr_dev=lr_dev, grad_div=scale, grad_mul=None, skip=skip, extra=(lay.step,))
 
     def _graft_torch(self, lay: _Layout, scale: Tensor | None, ok: Tensor | None) -> None:
