@@ -86,7 +86,9 @@ __global__ void bias_act_fwd_rows(const T* __restrict__ x, const T* __restrict__
 // (column blocks, splits): split s covers rows [s * rows_per_split, (s + 1) * rows_per_split).
 // Each thread sums its rows in order, then the by partial sums of a column are added in a fixed
 // order through shared memory, and the split's sum goes to partial[s, c]. No atomics: the result
-// is bitwise reproducible for a given launch configuration.
+// is bitwise reproducible for a given launch configuration. With one split (partial == nullptr)
+// the column sums are dbias itself: the host picks that for small problems, where a second launch
+// and a workspace would cost more host time than the narrower grid costs the device.
 #ifndef CUKIT_BWD_UNROLL
 #define CUKIT_BWD_UNROLL 4
 #endif
@@ -94,8 +96,8 @@ constexpr int BWD_UNROLL = CUKIT_BWD_UNROLL;
 
 template <typename T, int ACT, int VEC>
 __global__ void bias_act_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ bias,
-                             T* __restrict__ dx, acc_t<T>* __restrict__ partial, long long rows, long long C,
-                             long long rows_per_split) {
+                             T* __restrict__ dx, acc_t<T>* __restrict__ partial, T* __restrict__ dbias,
+                             long long rows, long long C, long long rows_per_split) {
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* smem = reinterpret_cast<A*>(smem_raw);  // [by][bx * VEC]
@@ -152,7 +154,11 @@ __global__ void bias_act_bwd(const T* __restrict__ dy, const T* __restrict__ x, 
     for (int k = 0; k < VEC; ++k) {
       A s = A(0);
       for (int j = 0; j < static_cast<int>(blockDim.y); ++j) s += smem[j * width + threadIdx.x * VEC + k];
-      partial[static_cast<long long>(blockIdx.y) * C + c0 + k] = s;
+      if (partial != nullptr) {
+        partial[static_cast<long long>(blockIdx.y) * C + c0 + k] = s;
+      } else {
+        dbias[c0 + k] = from_acc<T>(s);
+      }
     }
   }
 }

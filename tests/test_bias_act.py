@@ -287,6 +287,32 @@ def test_gpu_every_output_element_is_written():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape, one_launch", [((64, 256), True), ((2, 3, 40), True), ((129, 7), True),
+                                               ((4096, 256), False), ((3000, 7), False)])
+def test_gpu_backward_one_launch_for_small_problems(dtype, shape, one_launch):
+    # Small problems sum whole columns in one launch and write dbias themselves; large ones take
+    # per-split partial sums and a second, reducing launch. Both must match the oracle, on the
+    # first call (plan built) and on the cached call, bitwise alike.
+    from cukit.ops import bias_act as op
+
+    x, b, g = _cuda(shape, dtype), _cuda(shape[-1:], dtype), _cuda(shape, dtype)
+    dname = str(dtype).removeprefix("torch.")
+    op._BWD_PLANS.clear()
+    first = cukit.bias_act_backward(g, x, b, "gelu")
+    (plan,) = op._BWD_PLANS._data.values()
+    assert (plan.reduce is None) == one_launch and (plan.splits == 1) == one_launch
+    again = cukit.bias_act_backward(g, x, b, "gelu")
+    assert op._BWD_PLANS.hits >= 1
+    dx_ref, db_ref, l1 = oracle_backward(to_numpy(g), to_numpy(x), to_numpy(b), "gelu")
+    for dx, db in (first, again):
+        assert db.dtype == dtype and db.shape == shape[-1:]
+        assert_close(dx, dx_ref, dtype=dname)
+        check_dbias(db, db_ref, l1, dname, _rows(x))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.gpu
 def test_gpu_dbias_is_deterministic():
     x = _cuda((8192, 1000), torch.float32)
     b = _cuda((1000,), torch.float32)

@@ -66,7 +66,7 @@ KERNELS = KernelModule(
     signatures={
         "bias_act_fwd": "ptr ptr ptr i64 i64",
         "bias_act_fwd_rows": "ptr ptr ptr i64 i64",
-        "bias_act_bwd": "ptr ptr ptr ptr ptr i64 i64 i64",
+        "bias_act_bwd": "ptr ptr ptr ptr ptr ptr i64 i64 i64",
         "bias_act_bwd_reduce": "ptr ptr i64 i64",
     },
 )
@@ -75,6 +75,10 @@ _BLOCK = 256
 _FWD_UNROLL = 4  # >= FWD_UNROLL in bias_act.cu (bounds the indices the flat kernel forms)
 _FWD_BLOCKS_PER_SM = 16  # two waves of 8 resident 256-thread blocks
 _ROWS_MIN_VECTORS = 32  # rows of at least a warp's worth of vectors take bias_act_fwd_rows
+# Backward problems whose threads would each cover at most this many rows in one split run in one
+# launch (dbias written by the kernel, no workspace): a few unrolled trips per thread, cheaper on
+# the device than the host's second launch and workspace allocation (see backward_gpu).
+_BWD_ONE_SPLIT_ROWS = 16
 _INT32_MAX = 2**31 - 1
 
 
@@ -430,29 +434,37 @@ def _forward_first(x: Any, bias: Any, act: int, key: tuple) -> Any:
 
 def backward_gpu(grad: Any, x: Any, bias: Any, act: int) -> tuple[Any, Any]:
     """``(dx, dbias) = (grad * act'(x + bias), dx summed over all but the last dimension)`` for
-    CuPy arrays or torch CUDA tensors: two launches (per-split partial sums in fp32/fp64, then a
-    fixed-order reduction: bitwise reproducible). Validated on a signature's first call."""
+    CuPy arrays or torch CUDA tensors. Large problems: two launches (per-split partial sums in
+    fp32/fp64, then a fixed-order reduction); small ones (at most ``_BWD_ONE_SPLIT_ROWS`` rows per
+    thread): one launch whose blocks sum whole columns, no workspace. Either way bitwise
+    reproducible for a given shape. Validated on a signature's first call."""
     key = _key("bwd", act, grad, x, bias)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         return _backward_first(grad, x, bias, act, key)
     C = bias.shape[0]
     if hasattr(x, "data_ptr"):
-        import torch
-
         dx = x.new_empty(x.shape)
         dbias = bias.new_empty((C,))
-        partial = x.new_empty((plan.splits, C), dtype=getattr(torch, plan.acc))
         stream = current_stream(x.get_device(), True)
+        if plan.reduce is None:
+            plan.main((grad.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(), 0, dbias.data_ptr()), stream)
+            return dx, dbias
+        import torch
+
+        partial = x.new_empty((plan.splits, C), dtype=getattr(torch, plan.acc))
         pp = partial.data_ptr()
-        plan.main((grad.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(), pp), stream)
+        plan.main((grad.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(), pp, 0), stream)
         plan.reduce((pp, dbias.data_ptr()), stream)
         return dx, dbias
     dx = _empty(tuple(x.shape), x, "cupy")
     dbias = _empty((C,), bias, "cupy")
-    partial = _empty((plan.splits, C), x, "cupy", plan.acc)
     stream = current_stream(x.device.id, False)
-    plan.main((grad.data.ptr, x.data.ptr, bias.data.ptr, dx.data.ptr, partial.data.ptr), stream)
+    if plan.reduce is None:
+        plan.main((grad.data.ptr, x.data.ptr, bias.data.ptr, dx.data.ptr, 0, dbias.data.ptr), stream)
+        return dx, dbias
+    partial = _empty((plan.splits, C), x, "cupy", plan.acc)
+    plan.main((grad.data.ptr, x.data.ptr, bias.data.ptr, dx.data.ptr, partial.data.ptr, 0), stream)
     plan.reduce((partial.data.ptr, dbias.data.ptr), stream)
     return dx, dbias
 
@@ -485,11 +497,13 @@ def _backward_first(grad: Any, x: Any, bias: Any, act: int, key: tuple) -> tuple
     by = _BLOCK // bx
     col_blocks = -(-cv // bx)
     target_blocks = sm_count(device) * (2048 // _BLOCK)
-    splits = max(1, min(-(-target_blocks // col_blocks), -(-rows // by), 65535))
+    if -(-rows // by) <= _BWD_ONE_SPLIT_ROWS:
+        splits = 1
+    else:
+        splits = max(1, min(-(-target_blocks // col_blocks), -(-rows // by), 65535))
     rows_per_split = -(-rows // splits)
     splits = -(-rows // rows_per_split)
     acc = "float64" if dt.name == "float64" else "float32"
-    partial = _empty((splits, C), x, kind, acc)
     stream = current_stream(device, kind == "torch")
     acc_size = 8 if acc == "float64" else 4
     main = KERNELS.prepare(
@@ -500,13 +514,18 @@ def _backward_first(grad: Any, x: Any, bias: Any, act: int, key: tuple) -> tuple
         device=device,
         shared_mem=bx * by * vec * acc_size,
     )
-    reduce = KERNELS.prepare(
-        f"bias_act_bwd_reduce<{dt.ctype}>", (max(1, min(-(-C // _BLOCK), target_blocks)),), (_BLOCK,), (splits, C),
-        device=device,
-    )
-    pp = _ptr(partial, kind)
-    main((pg, px, pb, pdx, pp), stream)
-    reduce((pp, _ptr(dbias, kind)), stream)
+    reduce = None
+    if splits == 1:  # the kernel writes dbias
+        main((pg, px, pb, pdx, 0, _ptr(dbias, kind)), stream)
+    else:
+        partial = _empty((splits, C), x, kind, acc)
+        reduce = KERNELS.prepare(
+            f"bias_act_bwd_reduce<{dt.ctype}>", (max(1, min(-(-C // _BLOCK), target_blocks)),), (_BLOCK,),
+            (splits, C), device=device,
+        )
+        pp = _ptr(partial, kind)
+        main((pg, px, pb, pdx, pp, 0), stream)
+        reduce((pp, _ptr(dbias, kind)), stream)
     if cacheable:
         _BWD_PLANS.put(key, _BwdPlan(main, reduce, splits, acc))
     return dx, dbias
