@@ -20,6 +20,11 @@ options and returns rows for the table plus notes:
   :class:`cukit.nn.Linear`. (:class:`MatmulConv2d`, im2col + :func:`cukit.matmul`, is the older
   twin, kept for ``examples/cnn_matmul_kernels.py``: ``cnn_models(..., conv="im2col")``.)
 
+On CUDA each experiment adds a third row, ``cukit+graph``: the cukit model and optimizer with each
+training step replayed as one CUDA graph (:func:`cukit.train.capture_step`, one line for the user).
+Models this small are host-bound: the eager rows measure Python and launch overhead per op, the
+graphed row what the step costs once the host is out of the loop.
+
 Usage::
 
     cukit demo                              # or: python -m cukit demo, make demo
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import itertools
 import math
@@ -211,6 +217,7 @@ class Variant:
     description: str
     model: nn.Module
     optimizer: OptimizerFactory = default_optimizer
+    graphed: bool = False  # CUDA: full batches replay a cukit.train.capture_step graph
 
 
 @dataclass
@@ -284,6 +291,38 @@ class _Run:
         self.loss_log[k] = loss.detach()
 
 
+class _GraphedRun(_Run):
+    """A variant whose full-size batches replay one CUDA graph of the whole step
+    (``cukit.train.capture_step``: forward, backward and the cukit.optim step, captured on the first
+    full batch after eager warm-up steps that train nothing). A smaller last batch of an epoch runs
+    eagerly on the same optimizer, its gradients zeroed in place so the graph's stay valid."""
+
+    def __init__(self, variant: Variant, n_steps: int, device: torch.device) -> None:
+        super().__init__(variant, n_steps, device)
+        self.captured: Any = None
+        self.batch: int | None = None
+
+    def step(self, k: int, xb: torch.Tensor, yb: torch.Tensor, device: torch.device) -> None:
+        from cukit.train import capture_step
+
+        if self.batch is None:
+            self.batch = xb.shape[0]
+        _sync(device)
+        t0 = time.perf_counter()
+        if xb.shape[0] == self.batch:
+            if self.captured is None:
+                self.captured = capture_step(self.model, F.cross_entropy, self.opt, (xb, yb))
+            loss = self.captured(xb, yb)
+        else:
+            self.opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(self.model(xb), yb)
+            loss.backward()
+            self.opt.step()
+        _sync(device)
+        self.step_ms.append((time.perf_counter() - t0) * 1e3)
+        self.loss_log[k] = loss.detach()
+
+
 def _train_lockstep(
     variants: Sequence[Variant],
     data: Digits,
@@ -303,7 +342,7 @@ def _train_lockstep(
     device = data.x_train.device
     n = data.x_train.shape[0]
     steps_per_epoch = -(-n // batch_size)
-    runs = [_Run(v, len(orders) * steps_per_epoch, device) for v in variants]
+    runs = [(_GraphedRun if v.graphed else _Run)(v, len(orders) * steps_per_epoch, device) for v in variants]
     k = 0
     for order in orders:
         order = order.to(device)
@@ -392,7 +431,7 @@ def train_variants(
     log: Callable[[str], None] | None,
 ) -> tuple[dict[str, TrainResult], float]:
     """Train the variants on the same batches, in lockstep (:func:`_train_lockstep`); returns the
-    results by name and the largest |loss_torch - loss_cukit| over the steps."""
+    results by name and the largest |loss_torch - loss_v| over the steps and the other variants."""
     results: dict[str, TrainResult] = {}
     for v, r in zip(variants, _train_lockstep(variants, data, orders, batch_size=batch_size,
                                               warmup_steps=warmup_steps), strict=True):
@@ -402,8 +441,31 @@ def train_variants(
                 f"  {v.name:<6} {label}, {r.optimizer}: {r.ms_per_step:.3f} ms/step, "
                 f"test accuracy {r.test_accuracy:.2%}"
             )
-    diff = max(abs(a - b) for a, b in zip(results["torch"].losses, results["cukit"].losses, strict=True))
+    base = results["torch"].losses
+    diff = max(
+        abs(a - b) for name, r in results.items() if name != "torch" for a, b in zip(base, r.losses, strict=True)
+    )
     return results, diff
+
+
+def _graphed_variant(cukit_variant: Variant, device: torch.device, graphed: bool | None) -> list[Variant]:
+    """The "cukit+graph" twin of the cukit variant (a copy of its model, same initial weights), or
+    nothing: when `graphed` is False, or None off CUDA."""
+    if graphed is None:
+        graphed = device.type == "cuda"
+    if not graphed:
+        return []
+    if device.type != "cuda":
+        raise ValueError(f"graphed=True needs a CUDA device (CUDA graphs); got {device}")
+    return [
+        Variant(
+            "cukit+graph",
+            f"{cukit_variant.description}, each step one CUDA graph (cukit.train.capture_step)",
+            copy.deepcopy(cukit_variant.model),
+            cukit_variant.optimizer,
+            graphed=True,
+        )
+    ]
 
 
 def _variant_summaries(variants: Sequence[Variant], results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -434,6 +496,7 @@ def run_mlp(
     optimizer: OptimizerFactory = default_optimizer,
     cukit_optimizer: OptimizerFactory | None = None,
     warmup_steps: int = 10,
+    graphed: bool | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train the digits MLP with stock torch and with cukit; return the numbers.
@@ -449,12 +512,14 @@ def run_mlp(
             (cukit.optim.AdamW) when `optimizer` is the default torch.optim.AdamW, else `optimizer`.
         warmup_steps: steps left out of the timing median (on CUDA the first cukit step compiles
             its kernels).
+        graphed: add the "cukit+graph" variant (the cukit model and optimizer, each full batch one
+            replay of a ``cukit.train.capture_step`` graph); None: on CUDA only (graphs need it).
         log: called with a progress line per variant, if given.
 
     Returns:
         ``{"device": "CPU" or GPU name, "torch_device": str, "activation", "epochs", "batch_size",
         "steps", "n_train", "n_test", "sizes", "loss_max_abs_diff", "loss_tolerance", "losses_agree",
-        "variants": {"torch": {...}, "cukit": {...}}}``, each variant with "test_accuracy",
+        "variants": {"torch": {...}, "cukit": {...}[, "cukit+graph": {...}]}}``, each variant with "test_accuracy",
         "final_loss" (mean over the last epoch), "ms_per_step" (median), "speedup" (torch's
         ms/step over this variant's), "losses" (per step), "description" and "optimizer" (e.g.
         "cukit.optim.AdamW").
@@ -477,6 +542,7 @@ def run_mlp(
             _cukit_factory(optimizer, cukit_optimizer),
         ),
     ]
+    variants += _graphed_variant(variants[1], dev, graphed)
     results, diff = train_variants(
         variants, data, epoch_orders(data.x_train.shape[0], epochs, seed), f"{arch} MLP, {epochs} epochs",
         batch_size=batch_size, warmup_steps=warmup_steps, log=log,
@@ -655,6 +721,7 @@ def run_cnn(
     optimizer: OptimizerFactory = default_optimizer,
     cukit_optimizer: OptimizerFactory | None = None,
     warmup_steps: int = 10,
+    graphed: bool | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train the digits CNN with stock torch and with cukit (``cukit.nn.Conv2d`` with the
@@ -663,7 +730,7 @@ def run_cnn(
 
     Both variants train in IEEE float32 (TF32 off for torch's convolutions and matmuls while they
     train; cukit's kernels compute in IEEE float32). On the CPU cukit's layers run their torch
-    references. `optimizer` and `cukit_optimizer` as in :func:`run_mlp`. Raises RuntimeError when
+    references. `optimizer`, `cukit_optimizer` and `graphed` as in :func:`run_mlp`. Raises RuntimeError when
     cukit.nn.Conv2d or cukit.nn.Linear is not available.
     """
     why = cnn_missing()
@@ -688,6 +755,7 @@ def run_cnn(
             _cukit_factory(optimizer, cukit_optimizer),
         ),
     ]
+    variants += _graphed_variant(variants[1], dev, graphed)
     with _ieee_float32():
         results, diff = train_variants(
             variants, data, epoch_orders(data.x_train.shape[0], epochs, seed), f"{arch} CNN, {epochs} epochs",

@@ -191,10 +191,30 @@ def test_demo_on_cuda_agrees_with_cukit_optim_kernels(experiment: str) -> None:
     run = demo.run_mlp if experiment == "mlp" else demo.run_cnn
     r = run(epochs=2, device="cuda", seed=0)
     assert r["torch_device"].startswith("cuda")
+    assert set(r["variants"]) == {"torch", "cukit", "cukit+graph"}
     assert r["variants"]["cukit"]["optimizer"] == "cukit.optim.AdamW"
+    assert r["variants"]["cukit+graph"]["optimizer"] == "cukit.optim.AdamW"
     assert r["losses_agree"], r["loss_max_abs_diff"]
     for v in r["variants"].values():
         assert v["test_accuracy"] > 0.8 and v["losses"][-1] < v["losses"][0]
+    # the graphed step is the eager cukit step replayed (the epoch's smaller last batch eager):
+    # the same kernels on the same batches, so the curves agree to float32 rounding
+    eager, graphed = r["variants"]["cukit"]["losses"], r["variants"]["cukit+graph"]["losses"]
+    assert len(graphed) == r["steps"] and r["n_train"] % r["batch_size"]  # a partial batch was in it
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch_cuda(), reason="needs a CUDA GPU visible to torch and CuPy")
+def test_demo_graphed_variant_can_be_turned_off() -> None:
+    r = demo.run_mlp(epochs=1, device="cuda", seed=0, graphed=False)
+    assert set(r["variants"]) == {"torch", "cukit"}
+
+
+def test_graphed_variant_needs_cuda() -> None:
+    assert set(demo.run_mlp(epochs=1, device="cpu", seed=0)["variants"]) == {"torch", "cukit"}
+    with pytest.raises(ValueError, match="graphed=True needs a CUDA device"):
+        demo.run_mlp(epochs=1, device="cpu", seed=0, graphed=True)
 
 
 # ---------------------------------------------------------------------------------------------
