@@ -10,10 +10,9 @@ array-level ops'.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from cukit.interop import NotAnArrayError, as_arrays
+from cukit.interop import NotAnArrayError, _loaded, as_arrays
 from cukit.ops import bias_act as _bias_act
 from cukit.ops import conv2d as _conv2d
 from cukit.ops import glu as _glu
@@ -46,7 +45,7 @@ def _torch_layer() -> Any:
 
 
 def _is_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")
+    torch = _loaded("torch")  # not sys.modules: see cukit.interop._loaded
     return torch is not None and isinstance(x, torch.Tensor)
 
 

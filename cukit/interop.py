@@ -71,9 +71,22 @@ DTYPES: dict[str, DType] = {
 }
 
 
+_MODULES: dict[str, Any] = {}  # torch / cupy once seen in sys.modules
+
+
 def _loaded(name: str) -> Any | None:
-    """The module if the program has imported it, else None (so we never import it ourselves)."""
-    return sys.modules.get(name)
+    """The module if the program has imported it, else None (so we never import it ourselves).
+
+    Found modules are kept in a small dict: ``torch.compile`` traces this function inside the
+    validation of cukit ops, and reading ``sys.modules`` there makes dynamo wrap the whole
+    interpreter-wide dict, which another thread (inductor's compile workers) may be importing
+    into: "dictionary changed size during iteration". cukit's torch layer records torch at import."""
+    mod = _MODULES.get(name)
+    if mod is None:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            _MODULES[name] = mod
+    return mod
 
 
 class NotAnArrayError(TypeError):

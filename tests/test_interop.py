@@ -171,3 +171,18 @@ def test_element_strides():
     assert element_strides(np.zeros(4, "f4,i1")["f0"]) is None  # 5-byte stride, 4-byte elements
     torch = pytest.importorskip("torch")
     assert element_strides(torch.zeros(3, 4).mT) == (1, 4)
+
+
+def test_loaded_modules_are_cached_outside_sys_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.compile traces array_kind inside the ops' validation: it must read interop's own cache,
+    # never the interpreter-wide sys.modules (which dynamo would wrap whole, racing with imports
+    # on inductor's worker threads). The torch layer records torch at import.
+    import types
+
+    import cukit.torch  # noqa: F401
+
+    assert interop._MODULES["torch"] is torch
+    monkeypatch.setattr(interop, "sys", types.SimpleNamespace(modules={}))
+    assert interop._loaded("torch") is torch
+    assert interop.array_kind(torch.zeros(1)) == "torch"
+    assert interop._loaded("not_a_module_cukit_knows") is None

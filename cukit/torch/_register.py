@@ -48,6 +48,12 @@ from typing import Any, Literal
 
 import torch
 
+from cukit import interop
+
+# torch recorded in interop's module cache now, so that array_kind inside a compiled region
+# reads that cache rather than sys.modules (see interop._loaded)
+interop._loaded("torch")
+
 __all__ = [
     "DIRECT",
     "DISPATCH",
