@@ -24,6 +24,7 @@ import contextlib
 import math
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -647,11 +648,15 @@ def _sync_errors(enabled: bool) -> Iterator[None]:
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch warns that the mode is a prototype: known, and ours to use
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode(previous)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+            torch.cuda.set_sync_debug_mode(previous)
 
 
 def _end_failed_capture(
