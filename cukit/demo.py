@@ -280,15 +280,20 @@ class _Run:
         self.model.train()
 
     def step(self, k: int, xb: torch.Tensor, yb: torch.Tensor, device: torch.device) -> None:
+        """One timed training step on (xb, yb); its loss is kept on the device at index k."""
         _sync(device)
         t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(xb), yb)
-        loss.backward()
-        self.opt.step()
+        loss = self._train(xb, yb)
         _sync(device)
         self.step_ms.append((time.perf_counter() - t0) * 1e3)
         self.loss_log[k] = loss.detach()
+
+    def _train(self, xb: torch.Tensor, yb: torch.Tensor, set_to_none: bool = True) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=set_to_none)
+        loss = F.cross_entropy(self.model(xb), yb)
+        loss.backward()
+        self.opt.step()
+        return loss
 
 
 class _GraphedRun(_Run):
@@ -302,25 +307,16 @@ class _GraphedRun(_Run):
         self.captured: Any = None
         self.batch: int | None = None
 
-    def step(self, k: int, xb: torch.Tensor, yb: torch.Tensor, device: torch.device) -> None:
+    def _train(self, xb: torch.Tensor, yb: torch.Tensor, set_to_none: bool = True) -> torch.Tensor:
         from cukit.train import capture_step
 
         if self.batch is None:
             self.batch = xb.shape[0]
-        _sync(device)
-        t0 = time.perf_counter()
-        if xb.shape[0] == self.batch:
-            if self.captured is None:
-                self.captured = capture_step(self.model, F.cross_entropy, self.opt, (xb, yb))
-            loss = self.captured(xb, yb)
-        else:
-            self.opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(self.model(xb), yb)
-            loss.backward()
-            self.opt.step()
-        _sync(device)
-        self.step_ms.append((time.perf_counter() - t0) * 1e3)
-        self.loss_log[k] = loss.detach()
+        if xb.shape[0] != self.batch:
+            return super()._train(xb, yb, set_to_none=False)
+        if self.captured is None:
+            self.captured = capture_step(self.model, F.cross_entropy, self.opt, (xb, yb))
+        return self.captured(xb, yb)
 
 
 def _train_lockstep(
