@@ -648,15 +648,18 @@ def _sync_errors(enabled: bool) -> Iterator[None]:
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():  # torch warns that the mode is a prototype: known, and ours to use
-        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-        torch.cuda.set_sync_debug_mode("error")
+    _set_sync_debug_mode("error")
     try:
         yield
     finally:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-            torch.cuda.set_sync_debug_mode(previous)
+        _set_sync_debug_mode(previous)
+
+
+def _set_sync_debug_mode(mode: int | str) -> None:
+    """torch.cuda.set_sync_debug_mode without its "prototype feature" warning (known, and ours to use)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def _end_failed_capture(

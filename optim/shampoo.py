@@ -49,6 +49,7 @@ from cukit.optim._engine import (
     launch_count,
     launch_update,
     lr_args,
+    no_lr,
     pack_hp,
 )
 from cukit.optim._kernels import SHAMPOO
@@ -541,7 +542,10 @@ class Shampoo(torch.optim.Optimizer):
             if key != lay.hp_key:
                 lay.hp, lay.hp_key = hp_tensor(key, dev), key
             launch_count(SHAMPOO, lay.step, skip)
-        lrs, lr_dev = lr_args([self.param_groups[gi]["lr"] for gi in lay.active_groups], dev)
+        if which == "graft":  # shampoo_graft reads no learning rate: nothing to convert or upload
+            lrs, lr_dev = no_lr(), None
+        else:
+            lrs, lr_dev = lr_args([self.param_groups[gi]["lr"] for gi in lay.active_groups], dev)
         momentum = "true" if lay.moments else "false"
         for ln in lay.launches:
             table = ln.graft if which == "graft" else ln.update
