@@ -932,16 +932,18 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 // ============================================================================================
 // sm_90a: TMA + warp-specialised wgmma, 16-bit, any operand layout, 16-byte aligned rows.
 //
-// Two block-tile widths, template BN (cukit/ops/matmul_tc.py's tma_tile_n picks one per problem
-// by a wave-quantisation model): 128 x 256 (the default: fewer bytes per FLOP) and 128 x 128
-// (twice the tiles: fuller last waves on medium shapes, e.g. 8192 x 768 = 192 tiles of 128 x 256
-// on 132 SMs is 1.45 waves, 384 tiles of 128 x 128 are 2.9).
+// Three block-tile widths, template BN (cukit/ops/matmul_tc.py's tma_tile_n picks one per problem
+// by a wave-quantisation model): 128 x 256 (the default: fewer bytes per FLOP), 128 x 128 (twice
+// the tiles: fuller last waves on medium shapes, e.g. 8192 x 768 = 192 tiles of 128 x 256 on 132
+// SMs is 1.45 waves, 384 tiles of 128 x 128 are 2.9) and 128 x 64 (for problems with fewer
+// 128 x 128 tiles than SMs: 1024^3 is 64 of them, 128 tiles of 128 x 64).
 //
 // 288 threads: warpgroups 0 and 1 consume (cooperative, BN = 256: each 64 x BN of every tile,
-// wgmma m64nBNk16 straight from shared memory; ping-pong, BN = 128: each whole tiles in turn, see
-// PP at the kernel), warp 8 produces: one thread issues the bulk tensor copies
+// wgmma m64nBNk16 straight from shared memory; ping-pong, BN = 128 or 64: each whole tiles in
+// turn, see PP at the kernel), warp 8 produces: one thread issues the bulk tensor copies
 // (cp.async.bulk.tensor, the TMA engine) of every k-tile into an S-stage ring (Cfg<BN>: 4 stages
-// of 48 KiB for BN = 256, 6 of 32 KiB for BN = 128: as many as fit beside the epilogue staging).
+// of 48 KiB for BN = 256, 6 of 32 KiB for BN = 128, 8 of 24 KiB for BN = 64: as many as fit beside
+// the epilogue staging, at most 8).
 // Stage s has a "full" mbarrier (the producer's arrive.expect_tx; the copy engine completes the
 // bytes) and an "empty" one (each consumer warp arrives once the wgmmas that read the stage have
 // completed), so loads never wait on a CTA-wide barrier and run up to S k-tiles ahead of the
@@ -978,14 +980,15 @@ constexpr int OUT_BYTES = 64 * OUT_ROW;  // one warpgroup's staging buffer
 // A then B), the two staging buffers, S "full" and S "empty" mbarriers, and up to 1 KiB lost to
 // aligning the ring.
 template <int BN> struct Cfg {
-  static_assert(BN == 256 || BN == 128, "TMA block tiles are 128 x 256 or 128 x 128");
-  static constexpr int B_BYTES = BN * tc::KB;       // 32 / 16 KiB
-  static constexpr int STAGE = A_BYTES + B_BYTES;   // 48 / 32 KiB
+  static_assert(BN == 256 || BN == 128 || BN == 64, "TMA block tiles are 128 x 256, 128 x 128 or 128 x 64");
+  static constexpr int B_BYTES = BN * tc::KB;       // 32 / 16 / 8 KiB
+  static constexpr int STAGE = A_BYTES + B_BYTES;   // 48 / 32 / 24 KiB
   static constexpr int FIT = (SMEM_MAX - 2 * OUT_BYTES - ALIGN) / (STAGE + 16);
-  static constexpr int S = FIT < 8 ? FIT : 8;       // ring stages: 4 / 6
+  static constexpr int S = FIT < 8 ? FIT : 8;       // ring stages: 4 / 6 / 8
   static constexpr int SMEM = S * STAGE + 2 * OUT_BYTES + 16 * S + ALIGN;
   static constexpr int ACC = BN / 2;                // fp32 accumulators per consumer thread
-  static constexpr int HALVES = BN / 128;           // epilogue passes of 64 x 128 per warpgroup
+  static constexpr int PASS = BN < 128 ? BN : 128;  // columns per pass of store_tile_staged
+  static constexpr int PASSES = BN / PASS;          // its passes per 64 x BN tile of a warpgroup
   static constexpr int GROUP_M = tc::GROUP_M;       // raster: tile rows swept per column of tiles
   static_assert(S >= 3 && SMEM <= SMEM_MAX, "the ring does not fit in shared memory");
   static_assert(STAGE % ALIGN == 0 && A_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
@@ -1010,8 +1013,8 @@ __device__ __forceinline__ void tile_coords(long long t, int tiles_m, int tiles_
   tn = (r % group) / gsz;
 }
 
-// Epilogue through shared memory: the warpgroup's 64 x BN accumulators go out in BN / 128 passes
-// of 64 x 128. Each pass: bias + activation, converted to T and written to the warpgroup's
+// Epilogue through shared memory: the warpgroup's 64 x BN accumulators go out in passes of
+// 64 x 128 (BN = 64: one pass of 64 x 64; Cfg<BN>::PASS). Each pass: bias + activation, converted to T and written to the warpgroup's
 // staging buffer (fragment layout), a warpgroup barrier, then written to C row by row: 16-byte
 // vector stores when C's rows are 16-byte aligned, else 2-byte stores of 64 contiguous bytes per
 // instruction. Storing the fragments directly touches 8 rows per instruction in 8- or 16-byte
@@ -1038,12 +1041,15 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
                                                   long long n0, int wg, int warp, int lane) {
   static_assert(sizeof(T) == 2, "the matmul epilogue stages 16-bit C");
   const int g = lane >> 2, t = lane & 3, w = warp & 3;
+  constexpr int PASS = Cfg<BN>::PASS;  // columns per pass
+  constexpr int CH = PASS / 8;         // 16-byte chunks per staged row
+  constexpr int RPI = 32 / CH;         // rows per warp instruction of the vector path
   const bool vec = (N % 8 == 0) && (ldc % 8 == 0) && (reinterpret_cast<u64>(Cz) % 16 == 0);
 #pragma unroll
-  for (int half = 0; half < Cfg<BN>::HALVES; ++half) {
+  for (int half = 0; half < Cfg<BN>::PASSES; ++half) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int ii = half * 16 + i;  // n8 block of the BN columns
+    for (int i = 0; i < PASS / 8; ++i) {
+      const int ii = half * (PASS / 8) + i;  // n8 block of the BN columns
       const long long col = n0 + 8 * ii + 2 * t;
       const float b0 = (bias != nullptr && col < N) ? to_acc<float>(bias[col]) : 0.0f;
       const float b1 = (bias != nullptr && col + 1 < N) ? to_acc<float>(bias[col + 1]) : 0.0f;
@@ -1055,11 +1061,11 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
       }
     }
     wg_bar(wg);
-    const long long c0 = n0 + 128 * half;
-    if (vec) {  // 2 rows of 16 chunks per instruction
+    const long long c0 = n0 + PASS * half;
+    if (vec) {  // RPI rows of CH chunks per instruction
 #pragma unroll
-      for (int it = 0; it < 8; ++it) {
-        const int lr = w * 16 + 2 * it + (lane >> 4), ch = lane & 15;
+      for (int it = 0; it < 16 / RPI; ++it) {
+        const int lr = w * 16 + RPI * it + lane / CH, ch = lane % CH;
         const long long row = r0 + lr, col = c0 + 8 * ch;
         if (row < M && col < N) {
           const u32 a = stg + lr * OUT_ROW + ch * 16;
@@ -1073,7 +1079,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
         const long long row = r0 + lr;
         if (row >= M) break;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < PASS / 32; ++k) {
           const int lc = 32 * k + lane;
           const long long col = c0 + lc;
           if (col < N) {
@@ -1234,12 +1240,12 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], u32 stg, TC
 // row-major (N x K); else B[z] is row-major (K x N). C[z] (at C + z * sc, rows ldc apart, type
 // TC) = act(A[z] B[z] + bias) (EPI_STORE, the defaults: C in T), or the scaled epilogues of
 // cukit/gemm.cuh (no activation).
-// BN: block-tile width, 256 or 128 (the tensor map of B must have been encoded with BN's box).
+// BN: block-tile width, 256, 128 or 64 (the tensor map of B must have been encoded with BN's box).
 // Launch: 288 threads, grid <= number of SMs, dynamic shared memory tma::Cfg<BN>::SMEM (a launch
 // with less traps: the ring would overrun it).
 // PP = 0 (cooperative): both consumer warpgroups work on each tile (64 x BN rows each) and run its
 // epilogue together, so the tensor cores idle during every epilogue. PP = 1 (ping-pong, BN = 128
-// only): warpgroup w takes the CTA's tiles w, w + 2, ... whole (128 x 128: two m64n128 wgmmas per
+// or 64): warpgroup w takes the CTA's tiles w, w + 2, ... whole (128 x BN: two m64nBN wgmmas per
 // k16 step), so one warpgroup's epilogue runs under the other's mainloop; the mainloops take turns
 // (order_wait / order_signal), which also keeps a warpgroup from waiting on a ring stage more than
 // one phase ahead of the copies (a parity wait cannot tell phase n from phase n - 2).
@@ -1250,7 +1256,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
                   long long N, long long K, long long ldc, long long sc, long long batch) {
   using namespace tma;
   using Cf = Cfg<BN>;
-  static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128 per warpgroup");
+  static_assert(!PP || BN <= 128, "ping-pong tiles are 128 x 128 or 128 x 64 per warpgroup");
   constexpr int S = Cf::S, STAGE = Cf::STAGE;
   constexpr int BKE = tc::KB / static_cast<int>(sizeof(T));  // 64 elements of K per k-tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -1333,9 +1339,9 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       tile_coords<BN>(t, tiles_m, tiles_n, z, tm, tn);
       int s = static_cast<int>(pos % S);
       u32 phase = static_cast<u32>((pos / S) & 1);
-      float d0[64], d1[64];
+      float d0[BN / 2], d1[BN / 2];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) {
+      for (int i = 0; i < BN / 2; ++i) {
         d0[i] = 0.0f;
         d1[i] = 0.0f;
       }
@@ -1347,8 +1353,8 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
         sm90::wg_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          sm90::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
-          sm90::Wgmma<T, 128>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc<A_K != 0>(sa + 8192, j),
+          sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+          sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc<A_K != 0>(sa + 8192, j),
                                                                        desc<B_K != 0>(sb, j));
         }
         sm90::wg_commit();

@@ -133,8 +133,8 @@ def test_tma_fp32_staging_is_bank_conflict_free():
 
 def test_tma_shared_memory_per_width():
     """tma::Cfg<BN>'s layout: as many stages as fit in 227 KiB beside the epilogue staging."""
-    assert mt.TMA_TILE_N == (256, 128)
-    assert mt.TMA_STAGES == {256: 4, 128: 6}
+    assert mt.TMA_TILE_N == (256, 128, 64)
+    assert mt.TMA_STAGES == {256: 4, 128: 6, 64: 8}
     staging = 2 * 64 * 264
     for bn in mt.TMA_TILE_N:
         stage = (mt.BM + bn) * mt.KB
@@ -158,20 +158,23 @@ def _tn(M, N, sms=132, batch=1, K=768):
 def test_tma_tile_n_wave_model():
     # the Llama shapes of the problem statement, on an H100's 132 SMs
     assert _tn(8192, 768) == 128  # 192 tiles of 256 = 1.45 waves (eff 0.73 x 0.86); 384 of 128 = 2.9 (0.97 x 0.94)
-    assert _tn(1024, 1024) == 128  # 32 tiles (0.24) vs 64 (0.44)
+    assert _tn(1024, 1024) == 64  # 32 tiles (0.24), 64 (0.48 x 0.94) or 128 of 128 x 64 (0.97 x 0.84)
     assert _tn(4096, 4096, K=4096) == 256  # 512 tiles: 4 full waves (0.97 x 0.97) vs 8 (0.97 x 0.94)
     assert _tn(4096, 4096, K=1024) == 128  # ... but at K = 1024 the cooperative epilogue costs 11%
     assert _tn(8192, 2048) == 128  # K = 768: likewise
     assert _tn(8192, 2048, K=8192) == 256
     assert _tn(4096, 1024, K=4096) == 256  # 128 tiles in 1 wave (0.97 x 0.97) vs 256 in 2 (0.97 x 0.94)
-    assert _tn(4096, 768) == 128  # 96 tiles in 1 wave (0.73 x 0.86) vs 192 in 2 (0.73 x 0.94)
+    assert _tn(4096, 768) == 64  # 96 tiles in 1 wave (0.73 x 0.86), 192 in 2 (0.73 x 0.94), 384 in 3 (0.97 x 0.84)
     assert _tn(768, 2048, K=4096) == 128  # dW of an MLP projection: 48 tiles (0.36) vs 96 (0.65)
     assert _tn(8192, 8192, K=8192) == 256 and _tn(32768, 1024, K=4096) == 256  # many waves, deep K
-    assert _tn(1, 1) == 128 and _tn(100, 200) == 128  # one tile: less zero-filled work
+    assert _tn(1, 1) == 64 and _tn(100, 200) == 64  # a few tiles: less zero-filled work
+    assert _tn(2048, 2048, K=2048) == 256  # 128 tiles of 128 x 256 fill a wave: the widest tile
     # the SM count matters: 192 tiles of 256 are one full wave on 192 SMs
     assert _tn(8192, 768, sms=192, K=4096) == 256
-    # the batch multiplies the tiles: 3 x 1024^2 is 96 tiles of 256 (0.73) or 192 of 128 (0.73 x 0.94)
-    assert _tn(1024, 1024, batch=3, K=4096) == 256
+    # the batch multiplies the tiles: 3 x 1024^2 is 96 tiles of 256 (0.73 x 0.97), 192 of 128
+    # (0.73 x 0.94) or 384 of 64 (0.97 x 0.84)
+    assert _tn(1024, 1024, batch=3, K=4096) == 64
+    assert _tn(1024, 1024, batch=4, K=4096) == 256  # 128 tiles of 256: one wave
     assert _tn(1024, 1024, batch=0) == 256  # empty problems: any width; the default
 
 
@@ -182,13 +185,16 @@ def test_tma_tile_rate():
     assert mt.tma_tile_rate(256, 128) == pytest.approx(0.5)
     assert mt.tma_tile_rate(256, 768) < mt.tma_tile_rate(128, 768) < mt.tma_tile_rate(256, 8192) < 1.0
     assert mt.tma_tile_rate(256, 0) == 1.0
-    assert mt.TMA_PINGPONG == {256: False, 128: True}
+    assert mt.tma_tile_rate(64, 768) == mt.tma_tile_rate(64, 8192) == mt.TMA_NARROW_RATE < mt.TMA_PINGPONG_RATE
+    assert mt.TMA_PINGPONG == {256: False, 128: True, 64: True}
 
 
 def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
     """The third factor is tma_tile_rate: a ping-pong rate equal to the cooperative one makes
     4096 x 4096 x 4096 a near-tie that the wider tile keeps; a faster 128 x 128 takes it; a slow
-    one loses 8192 x 768 too."""
+    one loses 8192 x 768 too. 128 x 64 tiles take the problems whose wider tiles leave SMs idle,
+    and more as their rate approaches the 128 x 128 one."""
+    monkeypatch.setattr(mt, "TMA_NARROW_RATE", 0.4)  # out of the way of the wider widths' cases
     monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.96)
     assert _tn(4096, 4096, K=4096) == 256
     monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 1.05)
@@ -198,6 +204,12 @@ def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
     monkeypatch.setattr(mt, "TMA_EPILOGUE_K", 0)  # a free epilogue: the wider tile at 4096 x 4096 x 1024
     monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.94)
     assert _tn(4096, 4096, K=1024) == 256
+    monkeypatch.setattr(mt, "TMA_EPILOGUE_K", 128)
+    assert _tn(1024, 1024) == 128  # 64 tiles (0.48 x 0.94) against 128 of 128 x 64 (0.97 x 0.4)
+    monkeypatch.setattr(mt, "TMA_NARROW_RATE", 0.5)
+    assert _tn(1024, 1024) == 64
+    monkeypatch.setattr(mt, "TMA_NARROW_RATE", 0.95)  # as fast as 128 x 128: 8192 x 768 too (a tie keeps 128)
+    assert _tn(8192, 768) == 64
 
 
 def test_tma_tile_n_counts_zero_filled_edges():
@@ -256,7 +268,7 @@ def test_prepare_checks_the_forced_width(h100):
     g = _layout_gemm(True, False)
     assert mt.route(g) == "tma"
     with pytest.raises(ValueError, match="tile width"):
-        mt.prepare(g, version="tma", tile_n=64)
+        mt.prepare(g, version="tma", tile_n=192)
     with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):
         mt.prepare(g, version="mma", tile_n=128)
     with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):

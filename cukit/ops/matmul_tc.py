@@ -10,7 +10,7 @@ kernel does not).
 The kernel contract is :class:`cukit.ops._gemm.Gemm`: any M, N, K (K == 0: C = act(bias)), either
 operand row- or column-major (by its unit stride; no transposed copies), up to three broadcast
 batch dimensions (``blockIdx.z``; the TMA kernel: a tensor-map dimension). Block tiles of
-128 x 256 x 128 bytes of K (the TMA kernel: 128 x 256 or 128 x 128, :func:`tma_tile_n`).
+128 x 256 x 128 bytes of K (the TMA kernel: 128 x 256, 128 x 128 or 128 x 64, :func:`tma_tile_n`).
 
 Three kernels in the one file (:func:`route` picks one):
 
@@ -18,10 +18,10 @@ Three kernels in the one file (:func:`route` picks one):
   K-major tiles feed ``ldmatrix``, M/N-major ones ``ldmatrix.trans`` (fp32: 32-bit loads).
 - ``matmul_tc_tma`` (Hopper, sm_90a, compute capability 9.0 only, :func:`uses_tma`): bfloat16 /
   float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a ring
-  of 4 (6) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
+  of 4 (6, 8) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
   ``cuTensorMapEncodeTiled``), 2 consumer warpgroups run wgmma; persistent grid. Tiles of
-  128 x 256 are cooperative (each warpgroup 64 x 256 of every tile), tiles of 128 x 128 ping-pong
-  (each warpgroup whole tiles in turn, one's epilogue under the other's mainloop). The width is
+  128 x 256 are cooperative (each warpgroup 64 x 256 of every tile), tiles of 128 x 128 and
+  128 x 64 ping-pong (each warpgroup whole tiles in turn, one's epilogue under the other's mainloop). The width is
   chosen per problem by a wave-quantisation model, :func:`tma_tile_n`.
 - ``matmul_tc_wgmma`` (Hopper, sm_90a): bfloat16/float16 with A and B both K-major, loaded by
   ``cp.async``; it runs the misaligned case (load path 0) of ``x @ W.T``, which TMA cannot take.
@@ -170,11 +170,12 @@ def tma_name(
 TMA_SIGNATURE = "b128 b128 ptr ptr f64 f64 i64 i64 i64 i64 i64 i64"
 TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
 # Block-tile widths of the TMA kernel (its template BN; the tiles are 128 x BN), widest first.
-TMA_TILE_N = (256, 128)
+TMA_TILE_N = (256, 128, 64)
 # The consumer schedule per width: 128 x 256 tiles are cooperative (both warpgroups on each tile,
 # 64 x 256 each: a warpgroup cannot hold 128 x 256 accumulators); 128 x 128 tiles are ping-pong
-# (each warpgroup takes whole tiles in turn, so one's epilogue runs under the other's mainloop).
-TMA_PINGPONG: dict[int, bool] = {256: False, 128: True}
+# (each warpgroup takes whole tiles in turn, so one's epilogue runs under the other's mainloop);
+# so are 128 x 64 tiles, which exist for problems too small to give every SM a 128 x 128 tile.
+TMA_PINGPONG: dict[int, bool] = {256: False, 128: True, 64: True}
 # Throughput per unit of useful work when every wave is full (the wave model's third factor, see
 # tma_tile_n and tma_tile_rate), relative to 128 x 256 tiles whose epilogue would cost nothing.
 # Cooperative 128 x 256 tiles stop the tensor cores for each tile's epilogue, a cost that does not
@@ -185,9 +186,17 @@ TMA_PINGPONG: dict[int, bool] = {256: False, 128: True}
 # throughput 1.08-1.10 at K = 768, 1.07 at 1024, 0.96 at 8192; benchmarks/NOTES.md, matmul v7).
 TMA_EPILOGUE_K = 128
 TMA_PINGPONG_RATE = 0.94
+# 128 x 64 tiles move 1.5x the shared-memory bytes per FLOP of 128 x 128 ones (24 KiB per 1 MFLOP)
+# and their wgmma (m64n64k16) does half the work per instruction: a lower constant rate, so that
+# they win only where the wider tiles would leave SMs idle (1024^3: 64 tiles of 128 x 128 on 132
+# SMs, 128 of 128 x 64). Calibrated on an H100 (bf16, NN and NT, shapes where both widths run two or
+# more tiles per CTA in full waves, K = 768 and 2048: 128 x 64 / 128 x 128 throughput 0.88-0.90,
+# times TMA_PINGPONG_RATE; benchmarks/NOTES.md, matmul v8).
+TMA_NARROW_RATE = 0.84
 # Dynamic shared memory per width, as raw_kernels/matmul_tc.cu's tma::Cfg<BN> lays it out: as many
-# ring stages (A + B k-tile: 48 / 32 KiB) as fit in 227 KiB beside the two epilogue staging buffers
-# (64 x (256 + 8) bytes each), 2 mbarriers per stage and 1 KiB lost to alignment: 4 / 6 stages.
+# ring stages (A + B k-tile: 48 / 32 / 24 KiB) as fit in 227 KiB beside the two epilogue staging
+# buffers (64 x (256 + 8) bytes each), 2 mbarriers per stage and 1 KiB lost to alignment, at most 8:
+# 4 / 6 / 8 stages.
 _SMEM_OPTIN_SM90 = 227 * 1024
 _TMA_OUT = 2 * 64 * (128 * 2 + 8)
 TMA_STAGES: dict[int, int] = {
@@ -364,15 +373,18 @@ def tma_if_aligned(g: Gemm) -> bool:
 
 def tma_tile_rate(tile_n: int, K: int) -> float:
     """Relative throughput of the TMA kernel's 128 x `tile_n` tiles on a problem of depth `K` when
-    every wave is full: ``TMA_PINGPONG_RATE`` for ping-pong tiles, ``K / (K + TMA_EPILOGUE_K)``
-    for cooperative ones (the epilogue's share of a tile's time falls as K grows)."""
+    every wave is full: ``TMA_NARROW_RATE`` for 128 x 64 tiles, ``TMA_PINGPONG_RATE`` for the
+    other ping-pong tiles, ``K / (K + TMA_EPILOGUE_K)`` for cooperative ones (the epilogue's share
+    of a tile's time falls as K grows)."""
+    if tile_n == 64:
+        return TMA_NARROW_RATE
     if TMA_PINGPONG[tile_n]:
         return TMA_PINGPONG_RATE
     return K / (K + TMA_EPILOGUE_K) if K > 0 else 1.0
 
 
 def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
-    """The TMA kernel's block-tile width (256 or 128, :data:`TMA_TILE_N`) for ``g`` on a device
+    """The TMA kernel's block-tile width (256, 128 or 64, :data:`TMA_TILE_N`) for ``g`` on a device
     of `sms` multiprocessors (None: ``g``'s device): a wave-quantisation model.
 
     With 128 x bn tiles the persistent grid (one CTA per SM) runs
@@ -388,7 +400,8 @@ def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
     bytes per FLOP). On 132 SMs: 8192 x 768 x 768 takes 192 tiles of 128 x 256 in 2 waves (eff
     0.73 x 0.86 = 0.62) or 384 of 128 x 128 in 3 (0.97 x 0.94 = 0.91): 128; 4096 x 4096 x 4096 is
     512 tiles in 4 full waves (0.97 x 0.97 = 0.94) or 1024 in 8 (0.97 x 0.94 = 0.91): 256, but
-    at K = 1024 the cooperative epilogue tips it (0.86): 128."""
+    at K = 1024 the cooperative epilogue tips it (0.86): 128; 1024^3 is 64 tiles of 128 x 128
+    (0.48 x 0.94 = 0.46) or 128 of 128 x 64 (0.97 x 0.84 = 0.82): 64."""
     if sms is None:
         sms = device_caps(g.device).sm_count
     nb = g.batch_count
