@@ -13,7 +13,10 @@ eigensolver should win; ``method="auto"``'s threshold, ``cukit.linalg.EIGH_MAX_N
 Implementations (each validated first against a float64 eigendecomposition, relative Frobenius
 error <= 2e-3 for the p = 4 roots; the "torch ns3" row against G^(-1/2)):
 
-- ``cukit newton``: ``method="newton", max_iters=N`` (default 15: the issue's loop length);
+- ``cukit newton``: ``method="newton", max_iters=N`` (default 15: the issue's loop length; up to
+  n = 128 the fused kernel, which stops each matrix once it converged);
+- ``cukit newton gemm``: the same on batched GEMMs for every n (the fused kernel off: every step of
+  every matrix runs; only where the fused kernel would run);
 - ``cukit newton tf32``: the same with ``precision="tf32"`` (tensor cores; validated to 3e-2 only);
 - ``cukit eigh``: ``method="eigh"`` (CuPy's batched solver, then a batched GEMM);
 - ``cukit auto``: ``method="auto"`` with its default iteration count;
@@ -23,9 +26,14 @@ error <= 2e-3 for the p = 4 roots; the "torch ns3" row against G^(-1/2)):
 - ``torch eigh``, ``cupy eigh``: ``V diag(w^-1/4) V^T`` from ``torch.linalg.eigh`` / ``cupy.linalg.eigh``.
 
 Columns: median ms (CUDA events, L2 flushed), TFLOP/s of the GEMM routes (2 n^3 per GEMM per
-matrix) and their fraction of the GEMM roofline measured in the same run (``torch.bmm`` of one
-(batch, n, n) product in float32, TF32 off), and each row's speed relative to torch newton and
-cupy eigh. The summary says, per case, whether cukit's automatic choice is at or ahead of the
+matrix, all steps counted: the fused kernel's early exits make its figure an effective rate) and
+their fraction of the GEMM roofline measured in the same run (``torch.bmm`` of one (batch, n, n)
+product in float32, TF32 off), each row's speed relative to torch newton and cupy eigh, the
+relative Frobenius error against the float64 oracle (``rel_err``), and the residual of the root it
+returned, ``max_z ||X_z^p A_r - I||_F / ||I||_F`` with ``A_r = G_z + r_z I`` the matrix the route
+took the root of (its own ridge r: eps times its power-iteration estimate of lambda_max on the
+Newton routes, times the exact one on the eigh route, 0 for the eigh anchors; p = 2 for ns3),
+computed in float64 from the returned X. The summary says, per case, whether cukit's automatic choice is at or ahead of the
 torch Newton loop and of CuPy's eigh (the issue's targets). ``--dry-run`` runs the same code on the
 CPU with tiny shapes. Results go to ``--out DIR``, else to a new temporary folder (printed).
 """
@@ -128,9 +136,14 @@ def torch_ns3(g: Any, iters: int = 15) -> Any:
     return z / c.sqrt()
 
 
-def implementations(cfg: Config) -> list[tuple[str, Callable[[Any], Any] | str]]:
-    """(name, function of G or why it is missing), in the order they run."""
+EPS = 1e-6  # the ridge of every cukit row and of torch newton (matrix_inverse_root's default eps)
+
+
+def implementations(cfg: Config, n: int = 0) -> list[tuple[str, Callable[[Any], Any] | str]]:
+    """(name, function of G or why it is missing), in the order they run, for n x n matrices."""
     import cukit.linalg as la
+    from cukit.interop import DTYPES
+    from cukit.ops import linalg as L
     from cukit.ops.linalg import default_tol, newton_reference_torch
 
     cuda = cfg.device.startswith("cuda")
@@ -138,6 +151,15 @@ def implementations(cfg: Config) -> list[tuple[str, Callable[[Any], Any] | str]]
 
     def cukit_newton(g: Any) -> Any:
         return la.matrix_inverse_root(g, P, method="newton", max_iters=it)
+
+    def cukit_newton_gemm(g: Any) -> Any:
+        fused, L._FUSED_NEWTON = L._FUSED_NEWTON, False
+        try:
+            return la.matrix_inverse_root(g, P, method="newton", max_iters=it)
+        finally:
+            L._FUSED_NEWTON = fused
+
+    has_fused = cuda and L._fused_tile(n, DTYPES["float32"], _torch().cuda.current_device()) > 0
 
     def torch_newton(g: Any) -> Any:
         return newton_reference_torch(g, P, 1e-6, it, default_tol("float32", g.shape[-1]))[0]
@@ -147,6 +169,7 @@ def implementations(cfg: Config) -> list[tuple[str, Callable[[Any], Any] | str]]
 
     return [
         ("cukit newton", cukit_newton),
+        ("cukit newton gemm", cukit_newton_gemm if has_fused else "the GEMM path is cukit newton at this n"),
         ("cukit newton tf32", cukit_newton_tf32 if cuda else "TF32 needs a GPU"),
         ("cukit eigh", lambda g: la.matrix_inverse_root(g, P, method="eigh")),
         ("cukit auto", lambda g: la.matrix_inverse_root(g, P)),
@@ -166,7 +189,7 @@ def gemm_count(name: str, cfg: Config, n: int) -> int:
     def newton(iters: int) -> int:
         return iters * (1 + power) - power if iters else 0
 
-    if name in ("cukit newton", "cukit newton tf32", "torch newton"):
+    if name in ("cukit newton", "cukit newton gemm", "cukit newton tf32", "torch newton"):
         return newton(cfg.iters)
     if name == "cukit auto" and choose_method(n, 2, "float32", 0 if cfg.device.startswith("cuda") else None) == "newton":
         return newton(default_max_iters("float32"))
@@ -202,26 +225,88 @@ def inputs(cfg: Config, batch: int, n: int) -> Any:
     return a @ a.mT / n + 1e-3 * torch.eye(n, device=cfg.device)
 
 
-def oracle(g: Any, expo: float) -> Any:
-    """G^expo in float64 (CuPy's eigh on a GPU: torch's float64 batched eigh is the slow one here)."""
+def eigh64(g: Any) -> tuple[Any, Any]:
+    """(w, V) of G in float64 (CuPy's eigh on a GPU: torch's float64 batched eigh is the slow one here)."""
     torch = _torch()
     g64 = g.double()
-    if g.is_cuda:
-        return cupy_eigh_root(g64, expo)
-    w, v = torch.linalg.eigh(g64)
+    if not g.is_cuda:
+        return torch.linalg.eigh(g64)
+    import cupy
+
+    from cukit.interop import asarray, current_stream, to_torch
+
+    with current_stream(g.get_device(), True):
+        w, v = cupy.linalg.eigh(asarray(g64))
+    return to_torch(w), to_torch(v)
+
+
+def oracle(w: Any, v: Any, expo: float) -> Any:
+    """G^expo from eigh64's (w, V)."""
     return (v * w.clamp_min(1e-300).pow(expo)[..., None, :]) @ v.mT
+
+
+def newton_ridge(g64: Any, eps: float) -> Any:
+    """The Newton route's ridge per matrix: eps times the Rayleigh quotient after the route's power
+    iterations from its start vector (cukit.ops.linalg.newton_reference's), here in float64."""
+    torch = _torch()
+    from cukit.ops.linalg import POWER_ITERS, _power_start
+
+    v = torch.as_tensor(_power_start(g64.shape[-1], "float64"), device=g64.device).expand(g64.shape[:-1]).clone()
+    lam = torch.zeros(g64.shape[0], dtype=g64.dtype, device=g64.device)
+    for _ in range(POWER_ITERS):
+        inv = (v * v).sum(-1).rsqrt()
+        y = torch.bmm(g64, v[..., None])[..., 0] * inv[:, None]
+        lam = (v * y).sum(-1) * inv
+        v = y
+    return eps * lam.clamp_min(0)
+
+
+def residual_spec(name: str, cfg: Config, n: int, batch: int) -> tuple[int, str] | None:
+    """(p, ridge: "newton", "eigh" or "none") of the root a row returns; None: no X to check."""
+    from cukit.ops.linalg import choose_method
+
+    if name == "torch ns3":
+        return 2, "none"
+    if name in ("torch eigh", "cupy eigh"):
+        return P, "none"
+    if name == "cukit eigh":
+        return P, "eigh"
+    if name == "cukit auto":
+        return P, choose_method(n, batch, "float32", 0 if cfg.device.startswith("cuda") else None)
+    if name.startswith(("cukit newton", "torch newton")):
+        return P, "newton"
+    return None
+
+
+def residual(x: Any, g64: Any, w: Any, p: int, ridge: str) -> float:
+    """max over the batch of ||X^p (G + r I) - I||_F / ||I||_F, in float64 (see the module docstring)."""
+    torch = _torch()
+    n = g64.shape[-1]
+    eye = torch.eye(n, dtype=torch.float64, device=g64.device)
+    if ridge == "newton":
+        r = newton_ridge(g64, EPS)
+    elif ridge == "eigh":
+        r = EPS * w[..., -1].clamp_min(0)
+    else:
+        r = torch.zeros(g64.shape[0], dtype=torch.float64, device=g64.device)
+    x64 = x.double()
+    res = torch.linalg.matrix_power(x64, p) @ (g64 + r[:, None, None] * eye) - eye
+    return float((torch.linalg.matrix_norm(res) / n**0.5).max())
 
 
 def run_case(b: Bench, batch: int, n: int) -> None:
     torch = _torch()
     base = {"case": f"{batch}x{n}x{n}", "batch": batch, "n": n, "p": P, "dtype": "float32", "iters": b.cfg.iters}
-    impls = implementations(b.cfg)
+    impls = implementations(b.cfg, n)
     reason = b.stop_reason(b.cfg.budget_s)
     if reason:
         b.rows += [{**base, "impl": name, "error": reason} for name, _ in impls]
         return
     g = inputs(b.cfg, batch, n)
-    want = {-0.25: oracle(g, -0.25), -0.5: oracle(g, -0.5)}
+    g64 = g.double()
+    w, v = eigh64(g)
+    want = {-0.25: oracle(w, v, -0.25), -0.5: oracle(w, v, -0.5)}
+    del v
     # the GEMM roofline at this shape: one float32 torch.bmm (cuBLAS), TF32 off
     tb = harness.time_cuda(lambda: torch.bmm(g, g), warmup=b.cfg.warmup, repeats=b.cfg.repeats,
                            flush_l2=b.cfg.flush_l2, cuda=b.cuda)
@@ -236,8 +321,12 @@ def run_case(b: Bench, batch: int, n: int) -> None:
         try:
             got = fn(g)
             expo = -0.5 if name == "torch ns3" else -0.25
-            harness.check_close(got, want[expo], name=name, elementwise=False,
-                                rel_tol=REL_TOL_TF32 if name.endswith("tf32") else REL_TOL)
+            chk = harness.check_close(got, want[expo], name=name, elementwise=False,
+                                      rel_tol=REL_TOL_TF32 if name.endswith("tf32") else REL_TOL)
+            row["rel_err"] = chk.rel_err
+            spec = residual_spec(name, b.cfg, n, batch)
+            if spec is not None:
+                row["residual"] = residual(got, g64, w, *spec)
             del got
             b.timed(row, lambda fn=fn: fn(g), b.cfg.slow_repeats if name == "torch eigh" else b.cfg.repeats)
             k = gemm_count(name, b.cfg, n)
@@ -256,7 +345,8 @@ def run_case(b: Bench, batch: int, n: int) -> None:
 
 COLUMNS: list[str | tuple[str, str]] = [
     "case", "impl", ("ms", "ms (median)"), "gemms", ("tflops", "TFLOP/s"), ("frac_gemm", "frac of bmm"),
-    ("vs_torch_newton", "vs torch newton"), ("vs_cupy_eigh", "vs cupy eigh"), ("error", "error"),
+    ("vs_torch_newton", "vs torch newton"), ("vs_cupy_eigh", "vs cupy eigh"), ("rel_err", "rel err"),
+    "residual", ("error", "error"),
 ]
 _FMT = {"error": lambda v: "" if v is None else str(v)[:60]}
 
@@ -280,8 +370,8 @@ def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             v = ms.get((case, impl))
             return v if isinstance(v, float) else None
 
-        auto, tn, ce, cn, ck = (get(i) for i in ("cukit auto", "torch newton", "cupy eigh", "cukit newton",
-                                                 "cukit eigh"))
+        auto, tn, ce, cn, ck, cg = (get(i) for i in ("cukit auto", "torch newton", "cupy eigh", "cukit newton",
+                                                     "cukit eigh", "cukit newton gemm"))
         best = min((v for v in (tn, ce) if v is not None), default=None)
         if auto is None or best is None:
             out.append(f"  {case:<14} auto vs best baseline: n/a (a row failed or was skipped)")
@@ -291,6 +381,8 @@ def target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
                    f"{'PASS' if auto <= best * 1.02 else 'FAIL'} (x{best / auto:.2f})")
         if cn is not None and tn is not None:
             out.append(f"  {'':<14} cukit newton vs torch newton (same iterations): x{tn / cn:.2f}")
+        if cn is not None and cg is not None:
+            out.append(f"  {'':<14} cukit newton (fused kernel) vs its GEMM path: x{cg / cn:.2f}")
         ns3 = get("torch ns3")
         if ns3 is not None and auto is not None:
             out.append(f"  {'':<14} cukit auto vs torch ns3 (the issue's 3-bmm loop, an inverse square root): "

@@ -1,15 +1,22 @@
-// linalg.cu: the small kernels around cukit.linalg's batched GEMMs (host side and references:
-// cukit/ops/linalg.py).
+// linalg.cu: the kernels of cukit.linalg (host side and references: cukit/ops/linalg.py).
 //
 // Matrix inverse p-th roots by the coupled Newton iteration (Guo & Higham; Shampoo's form), batched
 // over B contiguous n x n matrices, T = float or double:
 //   r = eps * lambda_max(A),  z = (p + 1) / (2 ||A + r I||_F),  X_0 = z^(1/p) I,  M_0 = z (A + r I)
-//   T_k = ((p + 1) I - M_k) / p,  X_{k+1} = X_k T_k,  M_{k+1} = T_k^p M_k      (GEMMs on the host side)
+//   T_k = ((p + 1) I - M_k) / p,  X_{k+1} = X_k T_k,  M_{k+1} = T_k^p M_k
 // M_k -> I and X_k -> (A + r I)^(-1/p). Each matrix carries a state (0 running, 1 converged,
-// 2 failed); a matrix that is not running gets T = I, and the GEMMs then reproduce its X and M
-// exactly (x * 1 + 0 is exact), so converged matrices freeze without a branch on the host.
-// One block per matrix for these kernels: their work is O(n^2) beside the GEMMs' O(n^3), and a
-// matrix's reduction then finishes in the block that uses it (no second launch, no atomics).
+// 2 failed), tested on M_k before each step; the last step's M update is skipped (nothing would
+// test it). Two implementations of the steps:
+// - newton_fused (matrices that fit in shared memory three times: n <= 128 in float, 96 in double):
+//   one block per matrix keeps X, M and T on chip for the whole loop and leaves it once its matrix
+//   converged or failed, so a batch pays only for the steps each of its matrices needs, and no step
+//   costs a launch or a round trip of the matrices through L2.
+// - newton_step and the host's batched GEMMs (larger n, TF32): a fixed number of steps without a
+//   host sync; a matrix that is not running gets T = I, and the GEMMs then reproduce its X and M
+//   exactly (x * 1 + 0 is exact), so converged matrices freeze without a branch on the host.
+// newton_init (the ridge, scale, X_0, M_0) and, on the GEMM path, newton_finish run one block per
+// matrix too: their work is O(n^2) beside the products' O(n^3), and a matrix's reduction then
+// finishes in the block that uses it (no second launch, no atomics).
 //
 // Also: the eigendecomposition route's V diag(f(w)) (f(w) = (max(w, 0) + r)^e) and kron.
 #include <cukit/dtypes.cuh>
@@ -169,6 +176,176 @@ __global__ void __launch_bounds__(MAX_THREADS)
     const int s = state[z];
     info[z] = (s == FAILED || bad) ? FAILED : (s == CONVERGED || res <= static_cast<A>(tol)) ? 0 : 1;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// newton_fused: the whole iteration for one matrix per block, X, M and T in shared memory
+// (3 NMAX x LD buffers, zero beyond n: the products read the padding as zeros and never write it).
+// Each product C = A B of the n x n matrices computes all of C in registers before it stores, so C
+// may be one of its operands: X <- X T, T <- T T and M <- T M run in place, and three buffers hold
+// the binary powering of any p.
+
+constexpr int FUSED_THREADS = 256;  // a 16 x 16 grid: thread (ty, tx) owns a (NMAX/16)^2 tile of C
+
+// Shapes of one tile size NMAX (the largest n it takes). A shared-memory access is 16 bytes (VEC
+// elements): A's rows ty + 16 i give a warp two rows, 16 bytes apart in banks thanks to the row
+// padding (LD = NMAX + VEC), and B's row k is read by 16 threads as 256 contiguous bytes.
+template <typename T, int NMAX> struct FusedTile {
+  static constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  static constexpr int LD = NMAX + VEC;
+  static constexpr int RM = NMAX / 16;           // rows of C per thread: ty + 16 i
+  static constexpr int CG = NMAX / (16 * VEC);  // column groups per thread: VEC columns at (16 h + tx) VEC
+  static constexpr int CN = CG * VEC;
+  static constexpr int SIZE = NMAX * LD;  // elements of one buffer
+  static_assert(NMAX % (16 * VEC) == 0, "a row of C must split into whole 16-byte groups per thread");
+};
+
+__device__ __forceinline__ void lds16(const float* p, float* v) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+}
+__device__ __forceinline__ void lds16(const double* p, double* v) {
+  const double2 t = *reinterpret_cast<const double2*>(p);
+  v[0] = t.x, v[1] = t.y;
+}
+__device__ __forceinline__ void sts16(float* p, const float* v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void sts16(double* p, const double* v) {
+  *reinterpret_cast<double2*>(p) = make_double2(v[0], v[1]);
+}
+
+// c = a b (n x n in shared memory, row stride LD); c may alias a or b. Every thread of the block
+// calls it; it ends with a barrier, so c is ready for the next product.
+template <typename T, int NMAX>
+__device__ __forceinline__ void fused_gemm(const T* a, const T* b, T* c, int n) {
+  using S = FusedTile<T, NMAX>;
+  using A = acc_t<T>;
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  A acc[S::RM][S::CN];
+#pragma unroll
+  for (int i = 0; i < S::RM; ++i)
+#pragma unroll
+    for (int j = 0; j < S::CN; ++j) acc[i][j] = A(0);
+  const int nk = (n + S::VEC - 1) / S::VEC * S::VEC;  // the zero padding covers the rounding up
+#pragma unroll 2
+  for (int k = 0; k < nk; k += S::VEC) {
+    T af[S::RM][S::VEC], bf[S::VEC][S::CN];
+#pragma unroll
+    for (int i = 0; i < S::RM; ++i) lds16(a + (ty + 16 * i) * S::LD + k, af[i]);
+#pragma unroll
+    for (int kk = 0; kk < S::VEC; ++kk)
+#pragma unroll
+      for (int h = 0; h < S::CG; ++h) lds16(b + (k + kk) * S::LD + (16 * h + tx) * S::VEC, bf[kk] + h * S::VEC);
+#pragma unroll
+    for (int kk = 0; kk < S::VEC; ++kk)
+#pragma unroll
+      for (int i = 0; i < S::RM; ++i)
+#pragma unroll
+        for (int j = 0; j < S::CN; ++j)
+          acc[i][j] = fma(static_cast<A>(af[i][kk]), static_cast<A>(bf[kk][j]), acc[i][j]);
+  }
+  __syncthreads();  // all reads of a and b are done: c may overwrite either
+#pragma unroll
+  for (int i = 0; i < S::RM; ++i) {
+    const int r = ty + 16 * i;
+    if (r >= n) continue;
+#pragma unroll
+    for (int h = 0; h < S::CG; ++h) {
+      const int c0 = (16 * h + tx) * S::VEC;
+      T v[S::VEC];
+#pragma unroll
+      for (int j = 0; j < S::VEC; ++j) v[j] = static_cast<T>(acc[i][h * S::VEC + j]);
+      if (c0 + S::VEC <= n) {
+        sts16(c + r * S::LD + c0, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < S::VEC; ++j)
+          if (c0 + j < n) c[r * S::LD + c0 + j] = v[j];  // the padding stays zero
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// x: X_0 in, X out; m: M_0; state: newton_init's; info as newton_finish's, for the M of the step
+// that stopped the matrix (or the last step's). The same tests, T and products as newton_step and
+// the GEMM path (results equal up to the products' summation order); a matrix that is not running
+// leaves the loop, where the GEMM path would multiply by T = I, which changes nothing.
+template <typename T, int NMAX>
+__global__ void __launch_bounds__(FUSED_THREADS, 1)
+    newton_fused(T* __restrict__ x, const T* __restrict__ m, const int* __restrict__ state, int* __restrict__ info,
+                 long long n_, long long p, long long iters, double tol) {
+  using S = FusedTile<T, NMAX>;
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char fused_smem[];
+  __shared__ A scratch[32];
+  T* xs = reinterpret_cast<T*>(fused_smem);
+  T* ms = xs + S::SIZE;
+  T* ts = ms + S::SIZE;
+  const int n = static_cast<int>(n_);  // <= NMAX (the host picks the tile)
+  const long long z = blockIdx.x;
+  T* xz = x + z * n_ * n_;
+  const T* mz = m + z * n_ * n_;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int WARPS = FUSED_THREADS / 32;
+
+  for (int e = threadIdx.x; e < 3 * S::SIZE; e += FUSED_THREADS) xs[e] = T(0);
+  __syncthreads();
+  // element (i, j) of the n x n matrices: warp-strided rows, lane-strided columns (coalesced)
+  for (int i = warp; i < n; i += WARPS)
+    for (int j = lane; j < n; j += 32) {
+      xs[i * S::LD + j] = xz[i * n + j];
+      ms[i * S::LD + j] = mz[i * n + j];
+    }
+  __syncthreads();
+
+  const A pp = static_cast<A>(p);
+  const A a0 = (pp + A(1)) / pp, a1 = A(-1) / pp;
+  const A tl = static_cast<A>(tol);
+  int s = state[z];
+  for (long long k = 0; k < iters && s == RUNNING; ++k) {
+    A res = A(0);
+    int bad = 0;
+    for (int i = warp; i < n; i += WARPS)
+      for (int j = lane; j < n; j += 32) {
+        const A d = static_cast<A>(ms[i * S::LD + j]) - (i == j ? A(1) : A(0));
+        bad |= !isfinite(d);
+        res = max(res, fabs(d));
+      }
+    bad = block_any(bad);
+    res = block_max(res, scratch);
+    if (bad) s = FAILED;
+    else if (res <= tl) s = CONVERGED;
+    if (s != RUNNING) break;  // uniform: bad and res are the block's
+    for (int i = warp; i < n; i += WARPS)
+      for (int j = lane; j < n; j += 32)
+        ts[i * S::LD + j] = static_cast<T>(a1 * static_cast<A>(ms[i * S::LD + j]) + (i == j ? a0 : A(0)));
+    __syncthreads();
+    fused_gemm<T, NMAX>(xs, ts, xs, n);
+    if (k + 1 < iters) {  // M <- T^p M as the host's _apply_power: T squared in place
+      for (long long e = p;;) {
+        if (e & 1) fused_gemm<T, NMAX>(ts, ms, ms, n);
+        e >>= 1;
+        if (!e) break;
+        fused_gemm<T, NMAX>(ts, ts, ts, n);
+      }
+    }
+  }
+
+  A res = A(0);
+  int bad = 0;
+  for (int i = warp; i < n; i += WARPS)
+    for (int j = lane; j < n; j += 32) {
+      const A d = static_cast<A>(ms[i * S::LD + j]) - (i == j ? A(1) : A(0));
+      const T xv = xs[i * S::LD + j];
+      bad |= !isfinite(d) || !isfinite(static_cast<A>(xv));
+      res = max(res, fabs(d));
+      xz[i * n + j] = xv;
+    }
+  bad = block_any(bad);
+  res = block_max(res, scratch);
+  if (threadIdx.x == 0) info[z] = (s == FAILED || bad) ? FAILED : (s == CONVERGED || res <= tl) ? 0 : 1;
 }
 
 // m[z, i, i] += r_z, r_z = work[z, 2 n] (newton_init's ridge): A + r I for matrix_root.

@@ -333,6 +333,87 @@ def test_gpu_newton_matches_reference_with_ridge(dtype):
     check(x, xr, dtype)
 
 
+# The fused Newton kernel (newton_fused: one block per matrix, the loop on chip) takes n up to its
+# dtype's largest tile; the GEMM path (L._FUSED_NEWTON = False) is the other implementation.
+FUSED_CASES = [("float32", n) for n in (1, 2, 17, 64, L._FUSED_TILES["float32"][-1])] + [
+    ("float64", n) for n in (1, 2, 17, 64, L._FUSED_TILES["float64"][-1])]
+
+
+@pytest.fixture
+def gemm_newton(monkeypatch):
+    """The Newton route on batched GEMMs for every n (the fused kernel off)."""
+    monkeypatch.setattr(L, "_FUSED_NEWTON", False)
+
+
+def mixed_batch(n: int, dtype: str) -> tuple[np.ndarray, list[int]]:
+    """Matrices that stop at different steps: well conditioned (converges early), worse conditioned,
+    a NaN element (fails in newton_init), negative definite (diverges: fails inside the loop), a
+    middle one. Returns (batch, indices of the good ones)."""
+    a = np.concatenate([spd((1,), n, dtype, ridge=2.0, seed=1), spd((1,), n, dtype, ridge=0.05, seed=2),
+                        spd((1,), n, dtype, seed=3), -spd((1,), n, dtype, seed=4), spd((1,), n, dtype, seed=5)])
+    a[2, 0, n - 1] = np.nan
+    return a, [0, 1, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype,n", FUSED_CASES)
+def test_gpu_newton_fused_matches_reference(dtype, n, p):
+    import cupy
+
+    from cukit.interop import DTYPES
+
+    assert L._fused_tile(n, DTYPES[dtype], torch.cuda.current_device())  # this test runs the fused kernel
+    tol, iters = L.default_tol(dtype, n), L.default_max_iters(dtype)
+    a, good = mixed_batch(n, dtype)
+    xr, ir = L.newton_reference(a, p, 1e-6, iters, tol)
+    assert ir.tolist() == [0, 0, 2, 2, 0]
+    x, info = la.matrix_inverse_root(_cuda_tensor(a), p, method="newton", return_info=True)
+    assert info.tolist() == ir.tolist()
+    check(x[good], xr[good], dtype)
+    # each matrix is its own block: the good ones alone give the same bits, one alone too
+    alone = la.matrix_inverse_root(_cuda_tensor(a[good]), p, method="newton")
+    assert torch.equal(alone, x[good])
+    x1, i1 = la.matrix_inverse_root(cupy.asarray(a[1]), p, method="newton", return_info=True)
+    assert int(i1) == 0 and (cupy.asnumpy(x1) == to_numpy(x[1])).all()
+    # too few steps: not converged in both implementations; max_iters = 0 tests M_0
+    for k in (0, 2):
+        xk, ik = la.matrix_inverse_root(_cuda_tensor(a), p, method="newton", max_iters=k, return_info=True)
+        xkr, ikr = L.newton_reference(a, p, 1e-6, k, tol)
+        assert ik.tolist() == ikr.tolist()
+        check(xk[good], xkr[good], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n", [c for c in FUSED_CASES if c[1] > L.EIGH_MAX_N])
+def test_gpu_newton_fused_is_the_default_route(dtype, n):
+    a = _cuda_tensor(spd((3,), n, dtype, ridge=0.1))
+    x_auto, i_auto = la.matrix_inverse_root(a, 4, return_info=True)  # auto: newton at this n, fused
+    x_new, i_new = la.matrix_inverse_root(a, 4, method="newton", return_info=True)
+    assert torch.equal(x_auto, x_new) and torch.equal(i_auto, i_new) and not i_new.any().item()
+    # converged matrices leave the loop: more steps change no bit
+    x_more = la.matrix_inverse_root(a, 4, method="newton", max_iters=60)
+    assert torch.equal(x_more, x_new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype,n", FUSED_CASES)
+def test_gpu_newton_fused_agrees_with_gemm_path(request, dtype, n, p):
+    a, good = mixed_batch(n, dtype)
+    t = _cuda_tensor(a)
+    x_f, i_f = la.matrix_inverse_root(t, p, method="newton", return_info=True)
+    y_f = la.matrix_root(t[good], p, eps=1e-3, method="newton")
+    request.getfixturevalue("gemm_newton")
+    x_g, i_g = la.matrix_inverse_root(t, p, method="newton", return_info=True)
+    y_g = la.matrix_root(t[good], p, eps=1e-3, method="newton")
+    assert i_f.tolist() == i_g.tolist() == [0, 0, 2, 2, 0]
+    check(x_f[good], to_numpy(x_g[good]), dtype)
+    check(y_f, to_numpy(y_g), dtype)
+    yr, _ = L.newton_reference(a[good], p, 1e-3, L.default_max_iters(dtype), L.default_tol(dtype, n), root=True)
+    check(y_f, yr, dtype)  # the ridge comes from the route's lambda_max estimate: its reference
+
+
 @pytest.mark.gpu
 def test_gpu_newton_flags_stay_on_device_and_no_host_sync():
     a = spd((5,), 48, "float32")
@@ -590,6 +671,25 @@ class _FakeDevice:
         state.copy_(new)
         t.copy_(torch.where((new == 0)[:, None, None], m * (-1 / p) + eye * ((p + 1) / p), eye))
 
+    def newton_fused(self, dt, head, tail):
+        px, pm, ps, pi = head
+        n, p, iters, tol = tail
+        nb = self.nb
+        xo = self.flat(px, nb * n * n, dt).view(nb, n, n)
+        x, m = xo.clone(), self.flat(pm, nb * n * n, dt).view(nb, n, n).clone()
+        state = self.flat(ps, nb, torch.int32).clone()
+        eye = torch.eye(n, dtype=dt)
+        for k in range(iters):  # a stopped matrix leaves the loop: T = I changes nothing here
+            res = (m - eye).abs().amax((-2, -1))
+            state = torch.where((state == 0) & (res <= tol), 1, state).to(torch.int32)
+            t = torch.where((state == 0)[:, None, None], m * (-1 / p) + eye * ((p + 1) / p), eye)
+            x = x @ t
+            if k + 1 < iters:
+                m = torch.linalg.matrix_power(t, p) @ m
+        xo.copy_(x)
+        res = (m - eye).abs().amax((-2, -1))
+        self.flat(pi, nb, torch.int32).copy_(torch.where((state == 1) | (res <= tol), 0, 1))
+
     def newton_finish(self, dt, head, tail):
         pm, _, ps, pi = head
         n, tol = tail
@@ -696,16 +796,20 @@ def test_matrix_power_host_side_on_cpu(monkeypatch, k):
     assert_close(L.matrix_power(a, k), np.linalg.matrix_power(a.numpy(), k), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("root", [False, True])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
-def test_newton_route_host_side_on_cpu(monkeypatch, p, root):
+def test_newton_route_host_side_on_cpu(monkeypatch, p, root, fused):
     from cukit.interop import DTYPES
 
     fake = _FakeDevice()
+    launched: list[str] = []
     monkeypatch.setattr(L, "_empty", fake.empty)
-    monkeypatch.setattr(L.KERNELS, "prepare", fake.prepare)
+    monkeypatch.setattr(L.KERNELS, "prepare", lambda name, *args, **kw: (
+        launched.append(name.split("<")[0]), fake.prepare(name, *args, **kw))[1])
     monkeypatch.setattr(L, "current_stream", lambda device, torch_involved: None)
     monkeypatch.setattr(L, "_NEWTON_PLANS", L.PlanCache("test_newton", maxsize=4))
+    monkeypatch.setattr(L, "_smem_optin", lambda device: 227 * 1024 if fused else 0)
     a = spd((3,), 9)
     fake.nb = 3
     fake.bases.append(ta := torch.from_numpy(a))
@@ -715,3 +819,22 @@ def test_newton_route_host_side_on_cpu(monkeypatch, p, root):
     assert info.tolist() == ir.tolist() == [0, 0, 0]
     assert_close(x, xr, atol=1e-12, rtol=1e-10)
     assert not any(x.data_ptr() == b.data_ptr() and b.numel() > x.numel() for b in fake.bases)  # no workspace view
+    assert ("newton_fused" in launched) == fused and ("newton_step" in launched) != fused
+
+
+def test_fused_tiles_fit_and_choose():
+    from cukit.interop import DTYPES
+
+    h100 = 227 * 1024
+    for name, tiles in L._FUSED_TILES.items():
+        dt = DTYPES[name]
+        assert list(tiles) == sorted(tiles)
+        assert L._fused_smem(tiles[-1], dt.itemsize) + 32 * dt.itemsize <= h100
+        assert L._fused_smem(tiles[-1] + 32, dt.itemsize) > h100  # the next tile size would not fit
+    f32, f64 = DTYPES["float32"], DTYPES["float64"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(L, "_smem_optin", lambda device: h100)
+        assert [L._fused_tile(n, f32, 0) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 0]
+        assert [L._fused_tile(n, f64, 0) for n in (1, 33, 64, 96, 97)] == [32, 64, 64, 96, 0]
+        mp.setattr(L, "_smem_optin", lambda device: 163 * 1024)  # A100: the largest float32 tile does not fit
+        assert [L._fused_tile(n, f32, 0) for n in (64, 100)] == [64, 0]

@@ -2,19 +2,23 @@
 symmetric positive semi-definite matrices, integer matrix powers, ``eigh``, ``kron`` and
 ``kron_matvec``, over any leading batch dimensions.
 
-Kernels: ``raw_kernels/linalg.cu`` (the O(n^2) work around the GEMMs: scales, the Newton step's
-T and convergence state, the eigendecomposition route's column scaling, kron). The GEMMs are
-cukit's own batched ones (``cukit.ops.matmul.gemm`` on (B, n, n) operands). NumPy inputs run the
-NumPy references below, torch CPU tensors the same references on their zero-copy NumPy views:
-they are the CPU fallbacks and the test oracles. Not differentiable (no torch layer): the results
-of torch tensors are plain tensors on the input's device, computed on torch's current stream.
+Kernels: ``raw_kernels/linalg.cu`` (the Newton iteration fused into one block per matrix for
+matrices that fit in shared memory; for larger ones the O(n^2) work around batched GEMMs: scales,
+the Newton step's T and convergence state; the eigendecomposition route's column scaling; kron).
+The GEMMs are cukit's own batched ones (``cukit.ops.matmul.gemm`` on (B, n, n) operands). NumPy
+inputs run the NumPy references below, torch CPU tensors the same references on their zero-copy
+NumPy views: they are the CPU fallbacks and the test oracles. Not differentiable (no torch layer):
+the results of torch tensors are plain tensors on the input's device, computed on torch's current
+stream.
 
 Routes of ``matrix_inverse_root`` (``method``):
 
 - ``"eigh"``: ``A = V diag(w) V^T`` (CuPy's batched ``cupy.linalg.eigh`` on the GPU, torch tensors
   through a zero-copy view; LAPACK on the CPU), then ``V diag(f(w)) V^T`` by one batched GEMM.
-- ``"newton"``: the coupled Newton iteration (see ``raw_kernels/linalg.cu``) on batched GEMMs, a
-  fixed number of steps (no host synchronisation), converged matrices frozen on the device.
+- ``"newton"``: the coupled Newton iteration (see ``raw_kernels/linalg.cu``), with no host
+  synchronisation. For n <= 128 (float32) or 96 (float64) and precision "ieee", one kernel runs
+  every step of a matrix in one thread block, the matrices in shared memory, and stops each matrix
+  once it converged; otherwise batched GEMMs run max_iters steps, converged matrices frozen.
 - ``"auto"``: :func:`choose_method`.
 """
 
@@ -65,13 +69,23 @@ KRON_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # method="auto" on a GPU: the eigendecomposition route up to this size, the Newton iteration above.
 # From the issue's H200 table the Newton route wins at n >= 100 for any batch; CuPy's batched
-# Jacobi solver is at its best for small blocks. To be measured (benchmarks/bench_linalg.py).
+# Jacobi solver is at its best for small blocks. To be measured (benchmarks/bench_linalg.py), now
+# against the fused Newton kernel as well.
 EIGH_MAX_N = 32
 
 POWER_ITERS = 8  # power iterations for the ridge's lambda_max (linalg.cu's POWER_ITERS)
 _KRON_DIMS = 4  # Kronecker dimensions the kron kernel decodes (more: the broadcasting fallback)
 _BLOCK = 256
 _INT32_MAX = 2**31 - 1
+
+# newton_fused<T, NMAX> (linalg.cu): the tile sizes NMAX (the largest n each takes) per dtype,
+# smallest first. The largest are the largest multiples of the tile's 16-byte column groups whose
+# three padded buffers fit in 227 KiB (H100, H200); a device with less opt-in shared memory gets
+# the tiles that fit on it, or the GEMM path.
+_FUSED_TILES = {"float32": (64, 128), "float64": (32, 64, 96)}
+_FUSED_THREADS = 256  # linalg.cu's FUSED_THREADS
+# False: every Newton route runs on batched GEMMs (tests and benchmarks compare the two paths).
+_FUSED_NEWTON = True
 
 
 def _instantiations() -> dict[str, list[str]]:
@@ -82,6 +96,7 @@ def _instantiations() -> dict[str, list[str]]:
         if name in MATRIX_DTYPES:
             exprs += [f"{k}<{dt.ctype}>" for k in ("newton_init", "newton_step", "newton_finish", "eig_scale",
                                                     "add_diag")]
+            exprs += [f"newton_fused<{dt.ctype}, {t}>" for t in _FUSED_TILES[name]]
         groups[name] = exprs
     return groups
 
@@ -93,6 +108,7 @@ KERNELS = KernelModule(
         "newton_init": "ptr ptr ptr ptr ptr i64 i64 f64",
         "newton_step": "ptr ptr ptr i64 i64 f64",
         "newton_finish": "ptr ptr ptr ptr i64 f64",
+        "newton_fused": "ptr ptr ptr ptr i64 i64 i64 f64",
         "eig_scale": "ptr ptr ptr ptr i64 i64 f64 f64",
         "add_diag": "ptr ptr i64 i64",
         "kron_kernel": "ptr ptr ptr " + " ".join(["i64"] * 9),
@@ -155,9 +171,10 @@ def choose_method(n: int, batch: int, dtype: str, device: int | None) -> str:
     """The route ``method="auto"`` takes for ``batch`` matrices of size n x n: "eigh" or "newton".
 
     On the CPU always "eigh" (LAPACK is exact and beats GEMM iterations there). On a GPU "eigh" for
-    n <= EIGH_MAX_N (CuPy's batched Jacobi eigensolver), else "newton" (its GEMMs win from there on
-    at every batch size in the issue's table). batch and dtype are accepted for thresholds still
-    to be measured; they do not change the answer today."""
+    n <= EIGH_MAX_N (CuPy's batched Jacobi eigensolver), else "newton" (its batched GEMMs win from
+    there on at every batch size in the issue's table, and up to n = 128 its fused kernel, which
+    also stops each matrix at its own convergence, is faster still). batch and dtype are accepted
+    for thresholds still to be measured; they do not change the answer today."""
     del batch, dtype
     if device is None:
         return "eigh"
@@ -287,8 +304,9 @@ def matrix_inverse_root(
             (round-off) as 0; the Newton route estimates lambda_max by 8 power iterations (a
             lower bound), so the two routes' ridges differ by eps times that estimate's error.
         method: "auto" (:func:`choose_method`), "eigh" or "newton" (see the module docstring).
-        max_iters: Newton steps, all run (no host synchronisation; converged matrices are frozen):
-            default :func:`default_max_iters`.
+        max_iters: the most Newton steps (default :func:`default_max_iters`). No host
+            synchronisation: the fused kernel stops each matrix once it converged or failed; the
+            GEMM path runs every step, converged matrices frozen (the same X either way).
         tol: a matrix has converged when max |M - I| <= tol (M = X^p (A + r I), tested before
             each step's update of X; info tests the M the last step used); default
             :func:`default_tol`.
@@ -383,10 +401,37 @@ def _root_host(A: Any, kind: str, p: int, sign: int, eps: float, route: str, ite
 
 
 class _NewtonPlan:
-    __slots__ = ("add_diag", "finish", "init", "step")
+    """The launches of one Newton signature: fused (newton_fused) or step and finish (the GEMM path)."""
 
-    def __init__(self, init: Any, step: Any, finish: Any, add_diag: Any) -> None:
-        self.init, self.step, self.finish, self.add_diag = init, step, finish, add_diag
+    __slots__ = ("add_diag", "finish", "fused", "init", "step")
+
+    def __init__(self, init: Any, add_diag: Any, *, fused: Any = None, step: Any = None, finish: Any = None) -> None:
+        self.init, self.add_diag, self.fused, self.step, self.finish = init, add_diag, fused, step, finish
+
+
+def _fused_smem(nmax: int, itemsize: int) -> int:
+    """Dynamic shared memory of newton_fused<T, nmax>: X, M, T with rows padded by 16 bytes."""
+    return 3 * nmax * (nmax + 16 // itemsize) * itemsize
+
+
+def _smem_optin(device: int) -> int:
+    """Shared memory one block may opt in to on a device (0 where it cannot be read)."""
+    try:
+        from cukit._device import device_caps
+
+        return device_caps(device).smem_optin
+    except Exception:  # no CuPy / no such device
+        return 0
+
+
+def _fused_tile(n: int, dt: DType, device: int) -> int:
+    """The smallest newton_fused tile that takes n x n matrices of dt and fits the device's shared
+    memory (with the kernel's static reduction scratch, 32 accumulators), or 0: the GEMM path."""
+    optin = _smem_optin(device)
+    for t in _FUSED_TILES.get(dt.name, ()):
+        if n <= t and _fused_smem(t, dt.itemsize) + 32 * dt.itemsize <= optin:
+            return t
+    return 0
 
 
 _NEWTON_PLANS = PlanCache("linalg_newton", maxsize=256)
@@ -397,39 +442,56 @@ _KRON_PLANS = PlanCache("linalg_kron", maxsize=1024)
 def _newton_gpu(a: Any, kind: str, device: int, dt: DType, p: int, eps: float, iters: int, tol: float,
                 precision: str, root: bool) -> tuple[Any, Any]:
     """X = (A + r I)^(-1/p) (root: (A + r I)^(1/p)) and info for contiguous (B, n, n) CUDA arrays:
-    on the current stream, no host sync: newton_init, then per step newton_step, X T and (but in the
-    last step, whose M would only be tested) T^p M by binary powering, then newton_finish."""
+    on the current stream, no host sync: newton_init, then either newton_fused (the whole loop, one
+    block per matrix) or per step newton_step, X T and (but in the last step, whose M would only be
+    tested) T^p M by binary powering, then newton_finish."""
     nb, n = int(a.shape[0]), int(a.shape[1])
-    key = _key("newton", a, p, eps, tol)
+    key = _key("newton", a, p, eps, tol, iters, precision, _FUSED_NEWTON)
     plan = _NEWTON_PLANS.get(key)
     if plan is None:
         th = (_threads(n),)
         c = dt.ctype
-        plan = _NewtonPlan(
-            KERNELS.prepare(f"newton_init<{c}>", (nb,), th, (n, p, eps), device=device),
-            KERNELS.prepare(f"newton_step<{c}>", (nb,), th, (n, p, tol), device=device),
-            KERNELS.prepare(f"newton_finish<{c}>", (nb,), th, (n, tol), device=device),
-            KERNELS.prepare(f"add_diag<{c}>", (max(1, min(-(-nb * n // _BLOCK), 65535)),), (_BLOCK,), (nb, n),
-                            device=device),
-        )
+        init = KERNELS.prepare(f"newton_init<{c}>", (nb,), th, (n, p, eps), device=device)
+        add_diag = KERNELS.prepare(f"add_diag<{c}>", (max(1, min(-(-nb * n // _BLOCK), 65535)),), (_BLOCK,),
+                                   (nb, n), device=device)
+        tile = _fused_tile(n, dt, device) if _FUSED_NEWTON and precision == "ieee" else 0
+        if tile:
+            plan = _NewtonPlan(init, add_diag, fused=KERNELS.prepare(
+                f"newton_fused<{c}, {tile}>", (nb,), (_FUSED_THREADS,), (n, p, iters, tol), device=device,
+                shared_mem=_fused_smem(tile, dt.itemsize)))
+        else:
+            plan = _NewtonPlan(
+                init, add_diag,
+                step=KERNELS.prepare(f"newton_step<{c}>", (nb,), th, (n, p, tol), device=device),
+                finish=KERNELS.prepare(f"newton_finish<{c}>", (nb,), th, (n, tol), device=device),
+            )
         _NEWTON_PLANS.put(key, plan)
     stream = current_stream(device, kind == "torch")
     shape = (nb, n, n)
-    x, x_free = _empty(shape, a, kind), _empty(shape, a, kind)
-    work = _empty((4 + _n_bases(p), nb, n, n), a, kind)  # M, its pair, T, the squares of T
-    m, m_free, t, bases = work[0], work[1], work[2], [work[3 + i] for i in range(_n_bases(p))]
     acc = "float64" if dt.name == "float64" else "float32"
     small = _empty((nb, 2 * n + 1), a, kind, acc)  # power-iteration vectors, the ridge r
     state, info = _empty((nb,), a, kind, "int32"), _empty((nb,), a, kind, "int32")
-    ps, pm = _ptr(state), _ptr(m)
-    plan.init((_ptr(a), _ptr(x), pm, ps, _ptr(small)), stream)
-    for k in range(iters):
-        plan.step((_ptr(m), _ptr(t), ps), stream)
-        _gemm(x, t, x_free, precision)
-        x, x_free = x_free, x
-        if k + 1 < iters:  # the last M would only be tested: finish tests the one the last step used
-            m, m_free = _apply_power(t, p, m, m_free, bases, precision)
-    plan.finish((_ptr(m), _ptr(x), ps, _ptr(info)), stream)
+    x = _empty(shape, a, kind)
+    if plan.fused is not None:
+        m = _empty(shape, a, kind)
+        plan.init((_ptr(a), _ptr(x), _ptr(m), _ptr(state), _ptr(small)), stream)
+        plan.fused((_ptr(x), _ptr(m), _ptr(state), _ptr(info)), stream)
+        del m
+        x_free = _empty(shape, a, kind) if root else None
+        bases = [_empty(shape, a, kind) for _ in range(_n_bases(p - 1))] if root else []
+    else:
+        x_free = _empty(shape, a, kind)
+        work = _empty((4 + _n_bases(p), nb, n, n), a, kind)  # M, its pair, T, the squares of T
+        m, m_free, t, bases = work[0], work[1], work[2], [work[3 + i] for i in range(_n_bases(p))]
+        ps = _ptr(state)
+        plan.init((_ptr(a), _ptr(x), _ptr(m), ps, _ptr(small)), stream)
+        for k in range(iters):
+            plan.step((_ptr(m), _ptr(t), ps), stream)
+            _gemm(x, t, x_free, precision)
+            x, x_free = x_free, x
+            if k + 1 < iters:  # the last M would only be tested: finish tests the one the last step used
+                m, m_free = _apply_power(t, p, m, m_free, bases, precision)
+        plan.finish((_ptr(m), _ptr(x), ps, _ptr(info)), stream)
     if not root:
         return x, info
     # Y = X^(p-1) (A + r I): the ridge r is the last column of `small`. Results in fresh
