@@ -68,10 +68,10 @@ MATRIX_DTYPES = ("float32", "float64")
 KRON_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # method="auto" on a GPU: the eigendecomposition route up to this size, the Newton iteration above.
-# From the H200 table the Newton route wins at n >= 100 for any batch; CuPy's batched
-# Jacobi solver is at its best for small blocks. To be measured (benchmarks/bench_linalg.py), now
-# against the fused Newton kernel as well.
-EIGH_MAX_N = 32
+# CuPy's batched Jacobi solver is at its best for small blocks: 3x the fused Newton kernel at
+# 4096 x 16 x 16 (float32, H100, benchmarks/NOTES.md), which is already ahead at 1024 x 32 x 32
+# (1.1x) and from there on (2-4x at n = 100-128).
+EIGH_MAX_N = 16
 
 POWER_ITERS = 8  # power iterations for the ridge's lambda_max (linalg.cu's POWER_ITERS)
 _KRON_DIMS = 4  # Kronecker dimensions the kron kernel decodes (more: the broadcasting fallback)
