@@ -18,11 +18,11 @@ Three kernels in the one file (:func:`route` picks one):
   K-major tiles feed ``ldmatrix``, M/N-major ones ``ldmatrix.trans`` (fp32: 32-bit loads).
 - ``matmul_tc_tma`` (Hopper, sm_90a, compute capability 9.0 only, :func:`uses_tma`): bfloat16 /
   float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a ring
-  of 4 (6, 8) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the driver's
-  ``cuTensorMapEncodeTiled``), 2 consumer warpgroups run wgmma; persistent grid. Tiles of
-  128 x 256 are cooperative (each warpgroup 64 x 256 of every tile), tiles of 128 x 128 and
-  128 x 64 ping-pong (each warpgroup whole tiles in turn, one's epilogue under the other's mainloop). The width is
-  chosen per problem by a wave-quantisation model, :func:`tma_tile_n`.
+  of 4 (6, 8) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the
+  driver's ``cuTensorMapEncodeTiled``), 2 consumer warpgroups run wgmma; persistent grid. Tiles
+  of 128 x 256 are cooperative (each warpgroup 64 x 256 of every tile), tiles of 128 x 128 and
+  128 x 64 ping-pong (each warpgroup whole tiles in turn, one's epilogue under the other's
+  mainloop). The width is chosen per problem by a wave-quantisation model, :func:`tma_tile_n`.
 - ``matmul_tc_wgmma`` (Hopper, sm_90a): bfloat16/float16 with A and B both K-major, loaded by
   ``cp.async``; it runs the misaligned case (load path 0) of ``x @ W.T``, which TMA cannot take.
 
