@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_matmul.py [--out DIR] [--quick] [--dry-run] [--budget-s S] [--modes M,...] [--gemm]
+                                      [--tiles]
 
 Modes (each compares cukit and cuBLAS at the same precision, in the same run, on the same inputs):
 
@@ -34,6 +35,13 @@ still has them):
    float32 C (the fused-loss ``dW += G^T X``: A a transposed view), against ``cukit.matmul`` and
    cuBLAS on the same bf16 operands with a bf16 result (``vs_cukit``: the bf16-output path's ms
    over gemm's; it writes 2x the bytes of C and reads C too).
+6. with ``--tiles`` only: the Hopper TMA kernel forced to each block-tile width (``cukit tma256``,
+   ``tma128``, ``tma64``: ``matmul_tc.prepare(g, tile_n=...)``) beside ``cukit.matmul`` (the wave
+   model's pick) and cuBLAS, bf16, at shapes that exercise the wave model (small problems, the
+   in-model shapes, and two with full waves for every width: the calibration of
+   ``matmul_tc.TMA_PINGPONG_RATE`` / ``TMA_NARROW_RATE``); the summary lists, per shape, the
+   fastest width and the model's pick. Needs compute capability 9.0 (elsewhere the rows say
+   skipped).
 
 Validation before timing: each case draws fresh standard-normal inputs; every implementation runs
 once into an output poisoned with NaN (through torch's caching allocator) and must have no NaN/inf
@@ -109,6 +117,9 @@ TF32_MIN_ERR = 2e-5
 V1_KERNEL = "simt_v1"
 GEMM_IMPL = "cukit gemm fp32 +="  # cukit.ops.matmul.gemm(a, b, c_float32, beta=1)
 HOOK_NAMES = ("_matmul_gpu", "matmul_gpu", "_gpu_matmul", "_launch_matmul")
+# The TMA kernel forced to one block-tile width (section 6): "cukit tma<width>".
+TILE_PREFIX = "cukit tma"
+TILE_IMPLS = tuple(f"{TILE_PREFIX}{bn}" for bn in (256, 128, 64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +149,12 @@ class Config:
     # gemm into float32 (section 5, --gemm): (M, N, K) of dW (V, H) += G^T (V, T) X (T, H)
     gemm: tuple[Shape, ...] = ()
     gemm_shapes: tuple[Shape, ...] = ((4096, 4096, 4096), (4096, 1024, 4096), (8192, 768, 768))
+    # TMA tile widths forced (section 6, --tiles)
+    tiles: tuple[Shape, ...] = ()
+    tile_shapes: tuple[Shape, ...] = (
+        (1024, 1024, 1024), (512, 1024, 4096), (2048, 512, 2048), (4096, 768, 768), (8192, 768, 768),
+        (4096, 4096, 1024), (2048, 2048, 2048), (4096, 2048, 768), (16896, 256, 768), (8448, 256, 2048),
+    )
     # the sizes the targets are stated for (scaled down in dry runs)
     target_fp32: int = 4096
     target_bf16: tuple[int, ...] = (4096, 8192)
@@ -179,6 +196,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             cfg = replace(cfg, v1_sizes=(33,))
     if getattr(args, "gemm", False):
         cfg = replace(cfg, gemm=((24, 16, 40),) if cfg.dry_run else cfg.gemm_shapes)
+    if getattr(args, "tiles", False):
+        cfg = replace(cfg, tiles=((40, 136, 24),) if cfg.dry_run else cfg.tile_shapes)
     if args.modes:
         wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())
         unknown = [m for m in wanted if m not in MODES]
@@ -271,6 +290,10 @@ def plan(cfg: Config) -> list[Case]:
     if "bf16" in modes:
         for shape in cfg.gemm:
             add(Case("gemm", "bf16", *shape, kind="accumulate", impls=(GEMM_IMPL, "cukit", "cuBLAS")))
+    # 6. the TMA kernel's tile widths forced (--tiles)
+    if "bf16" in modes:
+        for shape in cfg.tiles:
+            add(Case("matmul", "bf16", *shape, kind="tiles", impls=(*TILE_IMPLS, "cukit", "cuBLAS")))
     return cases
 
 
@@ -373,10 +396,51 @@ def make_matmul(impl: str, mode: Mode, a: Any, b: Any) -> Callable[[], Any]:
             prec = mode.precision
             return lambda: mm(a, b, precision=prec)
         return lambda: mm(a, b)
+    if impl.startswith(TILE_PREFIX):
+        return tma_width_call(a, b, int(impl.removeprefix(TILE_PREFIX)))
     if impl.startswith("cukit "):
         hook = kernel_hook(impl.split(" ", 1)[1])
         return lambda: hook(a, b)
     raise ValueError(f"unknown matmul implementation {impl!r}")
+
+
+class Skipped(Exception):
+    """An implementation this device cannot run: its row says why, and the run has no failure."""
+
+
+# (M, N, K) -> the TMA width the wave model picks on this device (section 6's summary)
+TILE_PICKS: dict[Shape, int] = {}
+
+
+def tma_width_call(a: Any, b: Any, tile_n: int) -> Callable[[], Any]:
+    """``a @ b`` (2-D torch CUDA tensors, bf16/fp16) on the TMA kernel with block tiles of
+    128 x `tile_n`, a fresh output per call as ``cukit.matmul`` allocates one. Raises
+    :class:`Skipped` where the TMA kernel does not run (CPU, compute capability other than 9.0)."""
+    torch = _torch()
+    if not a.is_cuda or torch.cuda.get_device_capability(a.device) != (9, 0):
+        raise Skipped("skipped: the TMA kernel runs on compute capability 9.0 only")
+    from cukit.interop import DTYPES, current_stream
+    from cukit.ops import matmul as mm
+    from cukit.ops import matmul_tc as mt
+
+    M, K = (int(n) for n in a.shape)
+    N = int(b.shape[1])
+    dev = a.device.index or 0
+    probe = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    g, ka, kb = mm._build_gemm(a, b, "torch", batch=(), M=M, K=K, N=N, c_ptr=probe.data_ptr(), bias_ptr=0,
+                               act=-1, precision="ieee", device=dev, dtype=DTYPES[str(a.dtype).removeprefix("torch.")])
+    if mt.route(g) != "tma":
+        raise Skipped(f"skipped: this problem does not run on the TMA kernel ({mt.route(g)})")
+    TILE_PICKS[(M, N, K)] = mt.tma_tile_n(g)
+    run = mt.prepare(g, version="tma", tile_n=tile_n)
+    pa, pb = ka.data_ptr(), kb.data_ptr()
+
+    def call() -> Any:
+        c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+        run((pa, pb, c.data_ptr(), 0), current_stream(dev, True))
+        return c
+
+    return call
 
 
 def make_gemm(a: Any, b: Any, c: Any) -> Callable[[], Any]:
@@ -553,7 +617,11 @@ def run_case(b: Bench, case: Case) -> list[dict[str, Any]]:
                 row["error"] = reason
                 continue
             try:
-                fn = makers[impl]()
+                try:
+                    fn = makers[impl]()
+                except Skipped as e:
+                    row["error"] = str(e)
+                    continue
                 harness.poison_allocator(out_shape, out_dtype, b.cfg.device)
                 t_first = time.perf_counter()
                 out = fn()
@@ -694,7 +762,29 @@ def summary_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=_case_order)
 
 
-_KIND_ORDER = {"square": 0, "odd": 1, "tall": 2, "batched": 3, "linear": 4}
+def tile_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per section-6 shape: each forced width's µs, cuBLAS's, the fastest width and the model's
+    pick (``matmul_tc.tma_tile_n``). Empty when no tile row ran."""
+    lines = []
+    by_shape: dict[Shape, dict[str, float]] = {}
+    for r in rows:
+        if r.get("kind") == "tiles" and r.get("ms"):
+            by_shape.setdefault((r["M"], r["N"], r["K"]), {})[r["impl"]] = r["ms"] * 1e3
+    for shape, t in by_shape.items():
+        widths = {int(i.removeprefix(TILE_PREFIX)): us for i, us in t.items() if i.startswith(TILE_PREFIX)}
+        if not widths:
+            continue
+        fastest = min(widths, key=widths.__getitem__)
+        pick = TILE_PICKS.get(shape)
+        verdict = "" if pick is None else ("  model picks it" if pick == fastest else
+                                            f"  model picks {pick} (+{widths[pick] / widths[fastest] - 1:.1%})")
+        cells = "  ".join(f"{bn}: {us:.1f}" for bn, us in sorted(widths.items(), reverse=True))
+        base = f"  cuBLAS {t['cuBLAS']:.1f}" if "cuBLAS" in t else ""
+        lines.append(f"  {'x'.join(map(str, shape))}: {cells}{base}  fastest {fastest}{verdict}")
+    return lines
+
+
+_KIND_ORDER = {"square": 0, "odd": 1, "tall": 2, "batched": 3, "linear": 4, "tiles": 5}
 
 
 def _case_order(r: dict[str, Any]) -> tuple[Any, ...]:
@@ -721,6 +811,11 @@ def print_summary(b: Bench, env: dict[str, Any], saved: list[str]) -> None:
     no_tf32 = [f"{r['impl']} {r['shape']}" for r in b.rows if r.get("tf32_seen") is False]
     if no_tf32:
         print(f"\nmode tf32: float32-level error (no TF32 rounding: ran as IEEE float32) for: {', '.join(no_tf32)}")
+    tiles = tile_lines(b.rows)
+    if tiles:
+        print("\nTMA tile widths (section 6; per call, µs):")
+        for line in tiles:
+            print(line)
     scaled = " (dry run: sizes scaled down, CPU timings mean nothing)" if b.cfg.dry_run else ""
     print(f"\ntargets{scaled}:")
     for line in target_lines(b.rows, b.cfg):
@@ -749,6 +844,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="torch random seed")
     p.add_argument("--gemm", action="store_true",
                    help="also time cukit.ops.matmul.gemm accumulating bf16 products into float32 (section 5)")
+    p.add_argument("--tiles", action="store_true",
+                   help="also time the Hopper TMA kernel forced to each tile width (section 6: the wave "
+                        "model's calibration)")
     return p.parse_args(argv)
 
 

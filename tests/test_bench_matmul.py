@@ -299,11 +299,53 @@ def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
 def test_dry_run_sizes_on_gpu(bench: Any, tmp_path: Path) -> None:
     """On a GPU (make gpu-check): the tiny sizes through the real CUDA paths (events, L2 flush, the
-    kernel hook's simt_v1 rows); every cukit kernel must validate."""
-    assert bench.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    kernel hook's simt_v1 rows, the TMA widths forced on compute capability 9.0); every cukit
+    kernel must validate."""
+    assert bench.main(["--dry-run", "--device", "cuda", "--tiles", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_matmul.json").read_text())
-    errors = [(r["mode"], r["shape"], r["impl"], r.get("error")) for r in doc["rows"] if r.get("error")]
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    errors = [(r["mode"], r["shape"], r["impl"], r.get("error")) for r in doc["rows"] if r.get("error")
+              and (hopper or not r["impl"].startswith(bench.TILE_PREFIX))]
     assert not errors, errors
-    rows = doc["rows"]
+    rows = [r for r in doc["rows"] if not r.get("error")]
+    if hopper:
+        assert {r["impl"] for r in rows if r["kind"] == "tiles"} == {*bench.TILE_IMPLS, "cukit", "cuBLAS"}
     assert all(r["timing"] == "cuda-events" and r["flushed_l2"] for r in rows)
     assert any(r["impl"] == "cukit simt_v1" for r in rows)
+
+
+def test_tiles_section(bench: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--tiles adds section 6 (the TMA kernel forced to each width at the calibration shapes); on a
+    device without the TMA kernel its rows say skipped and the run has no failure."""
+    full = bench.config_from_args(bench.parse_args(["--tiles"]))
+    tiles = [c for c in bench.plan(full) if c.kind == "tiles"]
+    assert [(c.M, c.N, c.K) for c in tiles] == list(full.tile_shapes)
+    assert all(c.impls == (*bench.TILE_IMPLS, "cukit", "cuBLAS") and c.mode == "bf16" for c in tiles)
+    assert bench.TILE_IMPLS == ("cukit tma256", "cukit tma128", "cukit tma64")
+    assert not [c for c in bench.plan(bench.config_from_args(bench.parse_args([]))) if c.kind == "tiles"]
+    assert not [c for c in bench.plan(bench.config_from_args(bench.parse_args(["--tiles", "--modes", "fp32"])))
+                if c.kind == "tiles"]
+    dry = bench.config_from_args(bench.parse_args(["--dry-run", "--tiles", "--modes", "bf16"]))
+    (case,) = [c for c in bench.plan(dry) if c.kind == "tiles"]
+    b = bench.Bench(dry)
+    rows = bench.run_case(b, case)
+    assert [r["impl"] for r in rows] == [*bench.TILE_IMPLS, "cukit", "cuBLAS"]
+    for r in rows[:3]:
+        assert r["error"].startswith("skipped: the TMA kernel runs on compute capability 9.0")
+    assert all(r.get("ms") for r in rows[3:]) and not b.failures
+
+
+def test_tile_lines(bench: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [{"kind": "tiles", "M": 1024, "N": 1024, "K": 1024, "impl": impl, "ms": ms}
+            for impl, ms in (("cukit tma256", 0.0192), ("cukit tma128", 0.0139), ("cukit tma64", 0.0112),
+                             ("cukit", 0.0112), ("cuBLAS", 0.0096))]
+    rows.append({"kind": "tiles", "M": 8192, "N": 768, "K": 768, "impl": "cukit tma128", "ms": 0.024})
+    rows.append({"kind": "tiles", "M": 8192, "N": 768, "K": 768, "impl": "cukit tma64", "ms": 0.0276})
+    rows.append({"kind": "tiles", "M": 64, "N": 64, "K": 64, "impl": "cukit tma64", "error": "skipped"})
+    monkeypatch.setattr(bench, "TILE_PICKS", {(1024, 1024, 1024): 64, (8192, 768, 768): 64})
+    lines = bench.tile_lines(rows)
+    assert lines == [
+        "  1024x1024x1024: 256: 19.2  128: 13.9  64: 11.2  cuBLAS 9.6  fastest 64  model picks it",
+        "  8192x768x768: 128: 24.0  64: 27.6  fastest 128  model picks 64 (+15.0%)",
+    ]
+    assert bench.tile_lines([]) == []
