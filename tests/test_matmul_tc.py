@@ -720,8 +720,8 @@ def test_gpu_tma_tile_widths_persistent(tile_n, layout):
 @gpu
 def test_gpu_tma_default_width_is_the_models():
     """prepare without tile_n launches the width (and schedule) tma_tile_n picks for the device
-    (8192 x 768 x 768, 1024^3 and 4096 x 4096 x 1024 take 128 x 128 ping-pong on an H100 or H200,
-    4096^3 128 x 256 cooperative), with its grid and shared memory."""
+    (8192 x 768 x 768 and 4096 x 4096 x 1024 take 128 x 128 ping-pong on an H100 or H200, 1024^3
+    128 x 64 ping-pong, 4096^3 128 x 256 cooperative), with its grid and shared memory."""
     _hopper_or_skip()
     from cukit._device import device_caps
 
