@@ -930,7 +930,8 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 }
 
 // ============================================================================================
-// sm_90a: TMA + warp-specialised wgmma, 16-bit, any operand layout, 16-byte aligned rows.
+// sm_90a: TMA + warp-specialised wgmma, 16-bit (any operand layout) or float as tf32 (A and B both
+// K-major: x @ W.T; PTX's tf32 wgmma has no transpose), 16-byte aligned rows.
 //
 // Three block-tile widths, template BN (cukit/ops/matmul_tc.py's tma_tile_n picks one per problem
 // by a wave-quantisation model): 128 x 256 (the default: fewer bytes per FLOP), 128 x 128 (twice
@@ -952,12 +953,13 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 //
 // The tensor maps (cukit/ops/matmul_tc.py encodes them with cuTensorMapEncodeTiled) are 3-D:
 // (contiguous dim, other dim, batch), 128-byte swizzle, out-of-bounds boxes zero-filled (any M,
-// N, K: the edges need no predication). Box per operand and k-tile of 64 elements of K:
+// N, K: the edges need no predication). Box per operand and k-tile of 128 bytes of K (64
+// elements of a 16-bit type, 32 of float; shown for 16-bit):
 //   K-major A (row-major):     {64 k, 128 m}        -> 128 rows of 128 bytes
 //   M-major A (A^T row-major): 2 x {64 m, 64 k}     -> 2 blocks of 64 k-rows x 128 bytes
 //   K-major B (B^T row-major, nn.Linear's weight): {64 k, BN n}
 //   N-major B (row-major):     BN / 64 x {64 n, 64 k}
-// wgmma reads K-major tiles with the descriptor of desc128 (k16 step j: +32 bytes) and MN-major
+// wgmma reads K-major tiles with the descriptor of desc128 (k16 step j, tf32's k8: +32 bytes) and MN-major
 // ones with the transpose bit, leading byte offset 8 KiB (next 64 elements of M/N) and stride
 // byte offset 1 KiB (next 8 k-rows); k16 step j: +2 KiB.
 // ============================================================================================
@@ -1092,7 +1094,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
   }
 }
 
-// The scaled epilogues (EPI_SCALE, EPI_ACCUMULATE; C in T or fp32) stage fp32 in the same buffer:
+// The scaled epilogues (EPI_SCALE, EPI_ACCUMULATE; C in T or fp32), and the matmul epilogue of
+// float (tf32) inputs, whose C is fp32 too, stage fp32 in the same buffer:
 // BN / 64 passes of 64 x 64, rows of 256 bytes whose 16-byte chunk c sits at chunk c ^ 2 (r % 4)
 // (wide_off), so that both the fragment writes (8 bytes; a half-warp covers rows g = 0..3, chunks
 // 2 i + t / 2: 8 distinct chunks mod 8) and the row reads (16 bytes; a quarter-warp reads 8
@@ -1128,18 +1131,18 @@ __device__ __forceinline__ void prefetch_c(const TC* Cz, long long M, long long 
   }
 }
 
-template <typename T, typename TC, int EPI, int BN>
+template <typename T, typename TC, int ACT, int EPI, int BN>
 __device__ __forceinline__ void store_tile_wide(const float (&d)[BN / 2], u32 stg, TC* Cz, const T* bias, float alpha,
                                                 float beta, long long M, long long N, long long ldc, long long r0,
                                                 long long n0, int wg, int warp, int lane) {
-  static_assert(EPI == EPI_SCALE || EPI == EPI_ACCUMULATE, "store_tile_wide runs the scaled epilogues");
+  static_assert(EPI != EPI_STORE || sizeof(TC) == 4, "store_tile_wide runs the scaled epilogues and fp32 C's matmul one");
   const int g = lane >> 2, t = lane & 3, w = warp & 3;
   // Vector path: every row start aligned to 4 elements. EPI_SCALE: N need not be a multiple of 4
   // (the padded rows of a logits buffer with an odd vocabulary still take vector stores; a row's
   // partial last chunk goes element by element). EPI_ACCUMULATE: N % 4 == 0 too (the partial
   // chunks' reads of C would take registers that its spill-free schedule does not have).
   const bool vec = (ldc % 4 == 0) && (reinterpret_cast<u64>(Cz) % (4 * sizeof(TC)) == 0) &&
-                   (EPI == EPI_SCALE || N % 4 == 0);
+                   (EPI != EPI_ACCUMULATE || N % 4 == 0);
   const int rr = w * 16 + (lane >> 4), ch = lane & 15;  // vector path: rows rr + 2 it, chunk ch
 #pragma unroll
   for (int pass = 0; pass < BN / 64; ++pass) {
@@ -1152,7 +1155,14 @@ __device__ __forceinline__ void store_tile_wide(const float (&d)[BN / 2], u32 st
       const float b1 = (bias != nullptr && cb + 1 < N) ? to_acc<float>(bias[cb + 1]) : 0.0f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float v0 = alpha * (d[4 * ii + 2 * h] + b0), v1 = alpha * (d[4 * ii + 2 * h + 1] + b1);
+        float v0, v1;
+        if constexpr (EPI == EPI_STORE) {  // fp32 C: the exact activations
+          v0 = epilogue<ACT, float>(d[4 * ii + 2 * h], b0);
+          v1 = epilogue<ACT, float>(d[4 * ii + 2 * h + 1], b1);
+        } else {
+          v0 = alpha * (d[4 * ii + 2 * h] + b0);
+          v1 = alpha * (d[4 * ii + 2 * h + 1] + b1);
+        }
         sts64(stg + wide_off(w * 16 + g + 8 * h, 2 * i + (t >> 1)) + (t & 1) * 8, __float_as_uint(v0),
               __float_as_uint(v1));
       }
@@ -1190,7 +1200,7 @@ __device__ __forceinline__ void store_tile_wide(const float (&d)[BN / 2], u32 st
           }
         }
       }
-      if constexpr (EPI == EPI_SCALE) {
+      if constexpr (EPI != EPI_ACCUMULATE) {
         if (!full && col < N) {  // this lane's chunk is its rows' partial last one: element by element
           for (int it = 0; it < 8; ++it) {
             const int lr = rr + 2 * it;
@@ -1227,10 +1237,10 @@ template <typename T, typename TC, int ACT, int EPI, int BN>
 __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], u32 stg, TC* Cz, const T* bias, float alpha,
                                            float beta, long long M, long long N, long long ldc, long long r0,
                                            long long n0, int wg, int warp, int lane) {
-  if constexpr (EPI == EPI_STORE) {
+  if constexpr (EPI == EPI_STORE && sizeof(TC) == 2) {
     store_tile_staged<T, ACT, BN>(d, stg, Cz, bias, M, N, ldc, r0, n0, wg, warp, lane);
   } else {
-    store_tile_wide<T, TC, EPI, BN>(d, stg, Cz, bias, alpha, beta, M, N, ldc, r0, n0, wg, warp, lane);
+    store_tile_wide<T, TC, ACT, EPI, BN>(d, stg, Cz, bias, alpha, beta, M, N, ldc, r0, n0, wg, warp, lane);
   }
 }
 
@@ -1257,6 +1267,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   using namespace tma;
   using Cf = Cfg<BN>;
   static_assert(!PP || BN <= 128, "ping-pong tiles are 128 x 128 or 128 x 64 per warpgroup");
+  static_assert(sizeof(T) == 2 || (A_K && B_K), "tf32 (float) operands must both be K-major");
   constexpr int S = Cf::S, STAGE = Cf::STAGE;
   constexpr int BKE = tc::KB / static_cast<int>(sizeof(T));  // 64 elements of K per k-tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];

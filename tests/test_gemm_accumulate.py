@@ -426,6 +426,32 @@ def test_gpu_tma_tile_widths(tile_n, epi, layout):
 
 
 @gpu
+@pytest.mark.parametrize("tile_n", [256, 128, 64])
+@pytest.mark.parametrize("epi", ["scale", "accumulate"])
+def test_gpu_tma_tf32_tile_widths(tile_n, epi):
+    """float32 as tf32 on the TMA kernel (A row-major, B column-major: both K-major, the layout
+    tf32 wgmma reads) forced to each tile width with the scaled epilogues: ragged last tiles, K not
+    a multiple of the 32-element k-tile, C a column block (16-byte stores) and a misaligned one."""
+    if not _hopper():
+        pytest.skip("the TMA kernels run on compute capability 9.0")
+    from cukit.interop import current_stream
+    from cukit.ops import matmul_tc as mt
+
+    torch.manual_seed(4)
+    beta = 1.0 if epi == "accumulate" else 0.0
+    for M, N, K, pad in ((136, 264, 68, 4), (776, 776, 1036, 1), (1, 8, 8, 0)):
+        a, b = _t((M, K), "float32"), _t((K, N), "float32", transposed=True)
+        out, buf = _out(M, N, "float32", beta=beta, pad=pad)
+        c0 = out.clone()
+        g = mm._gemm_problem(a, b, out, "torch", 0, alpha=-1.5, beta=beta, precision="tf32")
+        assert mt.route(g) == "tma", (M, N, K)
+        mt.prepare(g, version="tma", tile_n=tile_n)(g.head(), current_stream(0, True))
+        torch.cuda.synchronize()
+        _check_gemm(a, b, out, c0, -1.5, beta, "float32", "float32", f"tf32 tma{tile_n} {M}x{N}x{K} pad={pad}",
+                    "tf32", buf=buf, pad=pad)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(("version", "config"), [("simt", "large"), ("simt", "small"), ("v1", None)])
 def test_gpu_simt_float32_float64(dtype, version, config):

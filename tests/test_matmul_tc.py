@@ -9,6 +9,8 @@ a few fp32 roundings and the activation's slope (<= 1.2) times the accumulation 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,16 @@ def test_instantiations_cover_every_launch():
             for bn in mt.TMA_TILE_N:
                 group = mt.KERNELS_SM90A.instantiations[f"{dtype}/tma{bn}/act{act}"]
                 assert sorted(group) == sorted(mt.tma_name(dtype, act, a, b, bn) for a, b in LAYOUTS)
+    # float32 (tf32): the K-major layout only (tf32 wgmma has no transposed operands), every
+    # activation, width and scaled epilogue
+    for bn in mt.TMA_TILE_N:
+        for act in mt.ACTS:
+            assert mt.KERNELS_SM90A.instantiations[f"float32/tma{bn}/act{act}"] == [
+                mt.tma_name("float32", act, True, True, bn)
+            ]
+        for out, epi in mt.SCALED["float32"]:
+            assert mt.tma_name("float32", -1, True, True, bn, out=out, epi=epi) in wgmma
+        assert mt.tma_name("float32", -1, True, False, bn) not in wgmma
 
 
 def test_scaled_instantiations_cover_every_launch():
@@ -253,6 +265,26 @@ def test_tma_specs_per_width(layout):
         mt.tma_specs(g, 192)
 
 
+def test_tma_specs_float32_boxes_span_128_bytes_of_k():
+    """tf32 k-tiles are 32 float32 elements (128 bytes, like 64 of a 16-bit type): the boxes'
+    K extent halves, the byte strides double."""
+    g = replace(_layout_gemm(True, True, batch=3), dtype=DTYPES["float32"], precision="tf32")
+    for bn in mt.TMA_TILE_N:
+        spa, spb, nb = mt.tma_specs(g, bn)
+        assert nb == 3 and spa[0] == (136, 300, 3) and spb[0] == (136, 200, 3)
+        assert spa[1] == (136 * 4, 300 * 136 * 4) and spb[1] == (136 * 4, 200 * 136 * 4)
+        assert spa[2] == (32, 128) and spb[2] == (32, bn)
+
+
+def test_tma_takes_float32_only_as_tf32_with_k_major_operands(h100):
+    nt = replace(_layout_gemm(True, True), dtype=DTYPES["float32"], precision="tf32")
+    assert mt.uses_tma(nt) and mt.route(nt) == "tma"
+    assert not mt.uses_tma(replace(nt, precision="ieee"))
+    for a_k, b_k in LAYOUTS[1:]:  # an MN-major operand: mma.sync
+        g = replace(_layout_gemm(a_k, b_k), dtype=DTYPES["float32"], precision="tf32")
+        assert not mt.tma_if_aligned(g) and mt.route(g) == "mma"
+
+
 def test_tma_specs_default_to_the_model(h100):
     g = _layout_gemm(True, True, M=8192, N=768, K=768)
     assert mt.tma_specs(g)[1][2] == (64, 128)
@@ -404,8 +436,8 @@ def check(c, a, b, bias=None, act=-1, tf32=False):
         z = z + bias.double()
         mag = mag + bias.double().abs()
     acc_err = (K + 2) * EPS32 * mag
-    if tf32:
-        acc_err = acc_err + 2 * 2.0**-11 * mag
+    if tf32:  # each operand rounded (mma.sync: cvt.rna, 2^-11) or truncated (TMA's wgmma: 2^-10) to tf32
+        acc_err = acc_err + 2 * 2.0**-10 * mag
     if act >= 0:
         y = torch.from_numpy(reference_numpy(z.cpu().numpy(), np.zeros(z.shape[-1]), ACT_NAMES[act])).to(z.device)
         bound = 1.2 * acc_err + 8 * EPS32 * (z.abs() + y.abs()) + 1e-30
@@ -572,6 +604,26 @@ def test_gpu_tf32_rounds_the_inputs():
 
 
 @gpu
+@pytest.mark.parametrize("tile_n", [None, 256, 128, 64])
+def test_gpu_tma_tf32_widths_bias_activations(tile_n):
+    """float32 as tf32 on the TMA kernel (x @ W.T: both operands K-major), each tile width forced:
+    ragged tiles, K not a multiple of the 32-element k-tile, a batch of persistent tiles, bias with
+    every activation (the fp32 epilogue's exact forms)."""
+    if not _hopper():
+        pytest.skip("the TMA kernels run on compute capability 9.0")
+    torch.manual_seed(11)
+    for batch, M, N, K in (((), 300, 200, 136), ((3,), 129, 264, 1028)):
+        a, w = _tensor((*batch, M, K), "float32"), _tensor((*batch, N, K), "float32")
+        b = w.mT
+        assert mt.route(make_gemm(a, b, torch.empty(*batch, M, N, device="cuda"), precision="tf32")) == "tma"
+        check(run(a, b, precision="tf32", version="tma", tile_n=tile_n), a, b, tf32=True)
+        bias = _tensor((N,), "float32")
+        for act in mt.ACTS[1:]:
+            c = run(a, b, bias, act, precision="tf32", version="tma", tile_n=tile_n)
+            check(c, a, b, bias, act, tf32=True)
+
+
+@gpu
 def test_gpu_large_values_do_not_overflow_the_accumulator():
     """bf16 inputs near 2^100: products need fp32's exponent range (fp16 accumulation would fail)."""
     torch.manual_seed(7)
@@ -583,8 +635,9 @@ def test_gpu_large_values_do_not_overflow_the_accumulator():
 @gpu
 def test_gpu_route_on_hopper():
     """On compute capability 9.0, aligned 16-bit problems of every layout take the TMA kernels,
-    misaligned x @ W.T the cp.async wgmma kernel, other misaligned layouts, broadcast batches and
-    float32 mma.sync. Elsewhere everything runs on mma.sync."""
+    misaligned x @ W.T the cp.async wgmma kernel, other misaligned layouts and broadcast batches
+    mma.sync; float32 (tf32) x @ W.T the TMA kernel, its other layouts mma.sync. Elsewhere
+    everything runs on mma.sync."""
     hopper = _hopper()
     x, w = _tensor((64, 96), "bfloat16"), _tensor((40, 96), "bfloat16")
     c = torch.empty(64, 40, dtype=torch.bfloat16, device="cuda")
@@ -599,7 +652,10 @@ def test_gpu_route_on_hopper():
     assert mt.route(make_gemm(xb, w.t(), cb)) == ("wgmma" if hopper else "mma")  # broadcast A: no TMA
     xf, wf = _tensor((64, 96), "float32"), _tensor((40, 96), "float32")
     cf = torch.empty(64, 40, device="cuda")
-    assert mt.route(make_gemm(xf, wf.t(), cf, precision="tf32")) == "mma"
+    assert mt.route(make_gemm(xf, wf.t(), cf, precision="tf32")) == ("tma" if hopper else "mma")
+    assert mt.route(make_gemm(xf, wf.t().contiguous(), cf, precision="tf32")) == "mma"  # N-major B
+    xf2, wf2 = _tensor((64, 98), "float32"), _tensor((40, 98), "float32")
+    assert mt.route(make_gemm(xf2, wf2.t(), cf, precision="tf32")) == "mma"  # rows not 16-byte aligned
 
 
 @gpu

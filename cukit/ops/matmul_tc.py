@@ -1,7 +1,8 @@
 """Tensor-core matmul kernels: ``raw_kernels/matmul_tc.cu``.
 
 Inputs bfloat16 or float16 (fp32 accumulation), or float32 with precision "tf32" (each operand
-rounded to tf32 with ``cvt.rna``, fp32 accumulation); C in the input dtype after the fused
+rounded to tf32 with ``cvt.rna`` by mma.sync, truncated to it by the TMA kernel's wgmma; fp32
+accumulation); C in the input dtype after the fused
 epilogue ``act(acc + bias)`` in fp32 (the matmul path), or with the scaled epilogues
 ``alpha * (acc + bias) (+ beta * C)`` in the input dtype or float32, rows ``ldc`` apart
 (:class:`cukit.ops._gemm.Gemm`; ``matmul_tc`` and ``matmul_tc_tma`` run them, the cp.async wgmma
@@ -17,7 +18,8 @@ Three kernels in the one file (:func:`route` picks one):
 - ``matmul_tc`` (``mma.sync`` + ``ldmatrix``, sm_80+): every dtype and layout. 8 warps of 64 x 64;
   K-major tiles feed ``ldmatrix``, M/N-major ones ``ldmatrix.trans`` (fp32: 32-bit loads).
 - ``matmul_tc_tma`` (Hopper, sm_90a, compute capability 9.0 only, :func:`uses_tma`): bfloat16 /
-  float16, any layout, 16-byte aligned rows. Warp-specialised: one producer thread feeds a ring
+  float16 in any layout, float32 as tf32 with A and B both K-major (``x @ W.T``; tf32 wgmma has no
+  transposed operands), 16-byte aligned rows. Warp-specialised: one producer thread feeds a ring
   of 4 (6, 8) stages with the bulk tensor copy engine (TMA, tensor maps encoded here by the
   driver's ``cuTensorMapEncodeTiled``), 2 consumer warpgroups run wgmma; persistent grid. Tiles
   of 128 x 256 are cooperative (each warpgroup 64 x 256 of every tile), tiles of 128 x 128 and
@@ -206,9 +208,13 @@ TMA_SMEM: dict[int, int] = {bn: TMA_STAGES[bn] * ((BM + bn) * KB + 16) + _TMA_OU
 
 # The sm_90a kernels (Hopper's warpgroup MMA): per (dtype, activation) one group of the cp.async
 # wgmma kernels (K-major A and B, both load paths) and per (dtype, activation, tile width) one of
-# the TMA kernels (4 layouts): a model's forward (its activation) and backward (none, 3 layouts)
-# compile the groups of the widths its shapes pick; per (dtype, tile width, C's dtype, EPI) one of
-# the scaled TMA kernels. `cukit check-kernels --arch sm_90` compiles them for sm_90a.
+# the TMA kernels (4 layouts; float32 as tf32: the K-major one only): a model's forward (its
+# activation) and backward (none, 3 layouts) compile the groups of the widths its shapes pick;
+# per (dtype, tile width, C's dtype, EPI) one of the scaled TMA kernels. `cukit check-kernels
+# --arch sm_90` compiles them for sm_90a.
+_TMA_LAYOUTS: dict[str, tuple[tuple[bool, bool], ...]] = {
+    "bfloat16": LAYOUTS, "float16": LAYOUTS, "float32": ((True, True),)
+}
 KERNELS_SM90A = KernelModule(
     "matmul_tc.cu",
     instantiations={
@@ -218,16 +224,16 @@ KERNELS_SM90A = KernelModule(
             for act in ACTS
         },
         **{
-            f"{dtype}/tma{bn}/act{act}": [tma_name(dtype, act, a, b, bn) for a, b in LAYOUTS]
-            for dtype in ("bfloat16", "float16")
+            f"{dtype}/tma{bn}/act{act}": [tma_name(dtype, act, a, b, bn) for a, b in layouts]
+            for dtype, layouts in _TMA_LAYOUTS.items()
             for act in ACTS
             for bn in TMA_TILE_N
         },
         **{
             f"{dtype}/tma{bn}/{out}-{_EPI_NAMES[epi]}": [
-                tma_name(dtype, -1, a, b, bn, out=out, epi=epi) for a, b in LAYOUTS
+                tma_name(dtype, -1, a, b, bn, out=out, epi=epi) for a, b in layouts
             ]
-            for dtype in ("bfloat16", "float16")
+            for dtype, layouts in _TMA_LAYOUTS.items()
             for out, epi in SCALED[dtype]
             for bn in TMA_TILE_N
         },
@@ -353,10 +359,15 @@ def tma_batch(g: Gemm) -> tuple[int, int, int] | None:
 
 def tma_if_aligned(g: Gemm) -> bool:
     """Whether the TMA + wgmma kernels would run ``g`` were its rows 16-byte aligned: compute
-    capability 9.0, bfloat16/float16, K > 0, the batch as one dimension (:func:`tma_batch`) and
-    sizes within the tensor map's ranges. The matmul front end asks it before repacking misaligned
-    operands ("pad-and-run")."""
-    if g.dtype.name not in ("bfloat16", "float16") or g.K <= 0:
+    capability 9.0, bfloat16/float16 or float32 with precision "tf32" and both operands K-major,
+    K > 0, the batch as one dimension (:func:`tma_batch`) and sizes within the tensor map's ranges.
+    The matmul front end asks it before repacking misaligned operands ("pad-and-run")."""
+    if g.K <= 0:
+        return False
+    if g.dtype.name == "float32":
+        if g.precision != "tf32" or operand_layouts(g) != (True, True):
+            return False
+    elif g.dtype.name not in ("bfloat16", "float16"):
         return False
     b = tma_batch(g)
     if b is None or max(g.M, g.N, g.K, b[0]) > _TMA_MAX_DIM:
@@ -446,7 +457,8 @@ def route(g: Gemm, load: int | None = None, version: str | None = None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
-_CU_TENSOR_MAP_DTYPE = {"float16": 6, "bfloat16": 9}
+# float32 as FLOAT32: the copy engine moves the bits; wgmma truncates them to tf32.
+_CU_TENSOR_MAP_DTYPE = {"float16": 6, "bfloat16": 9, "float32": 7}
 _CU_SWIZZLE_128B = 3
 _CU_L2_PROMOTION_256B = 3
 _MAP_DTYPE = np.dtype((np.void, 128))
@@ -523,20 +535,22 @@ def _operand_spec(
 def tma_specs(g: Gemm, tile_n: int | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
     """(A's map spec, B's map spec, batch count) for :func:`uses_tma` problems run with block tiles
     of 128 x `tile_n` (None: :func:`tma_tile_n`); a spec is (dims, strides, box) as
-    :func:`tensor_map` takes them after the pointer. Boxes per k-tile of 64 elements: A K-major
-    (64, 128), M-major (64, 64) twice; B K-major (64, tile_n), N-major (64, 64) tile_n / 64 times."""
+    :func:`tensor_map` takes them after the pointer. Boxes per k-tile of 128 bytes (kt = 64
+    elements of 16-bit types, 32 of float32): A K-major (kt, 128), M-major (64, 64) twice; B
+    K-major (kt, tile_n), N-major (64, 64) tile_n / 64 times."""
     bn = tma_tile_n(g) if tile_n is None else tile_n
     if bn not in TMA_TILE_N:
         raise ValueError(f"matmul_tc: TMA tile width {bn} is not one of {TMA_TILE_N}")
     nb, sa, sb = tma_batch(g)  # type: ignore[misc]
     a_k, b_k = operand_layouts(g)
     sz = g.dtype.itemsize
+    kt = KB // sz
     if a_k:
-        spa = _operand_spec(sz, g.K, g.M, g.sa_m, nb, sa, (64, BM))
+        spa = _operand_spec(sz, g.K, g.M, g.sa_m, nb, sa, (kt, BM))
     else:
         spa = _operand_spec(sz, g.M, g.K, g.sa_k, nb, sa, (64, 64))
     if b_k:
-        spb = _operand_spec(sz, g.K, g.N, g.sb_n, nb, sb, (64, bn))
+        spb = _operand_spec(sz, g.K, g.N, g.sb_n, nb, sb, (kt, bn))
     else:
         spb = _operand_spec(sz, g.N, g.K, g.sb_k, nb, sb, (64, 64))
     return spa, spb, nb
