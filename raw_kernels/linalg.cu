@@ -14,9 +14,10 @@
 // - newton_step and the host's batched GEMMs (larger n, TF32): a fixed number of steps without a
 //   host sync; a matrix that is not running gets T = I, and the GEMMs then reproduce its X and M
 //   exactly (x * 1 + 0 is exact), so converged matrices freeze without a branch on the host.
-// newton_init (the ridge, scale, X_0, M_0) and, on the GEMM path, newton_finish run one block per
-// matrix too: their work is O(n^2) beside the products' O(n^3), and a matrix's reduction then
-// finishes in the block that uses it (no second launch, no atomics).
+// newton_power and newton_start (the ridge, scale, X_0, M_0) and, on the GEMM path, newton_resid,
+// newton_step and newton_finish are O(n^2) beside the products' O(n^3), but a batch of a few
+// large matrices would leave most SMs idle with a block per matrix: they run on row chunks, a
+// matrix's reductions finished by the next launch (see Chunk).
 //
 // Also: the eigendecomposition route's V diag(f(w)) (f(w) = (max(w, 0) + r)^e) and kron.
 #include <cukit/dtypes.cuh>
@@ -27,8 +28,7 @@ using namespace cukit;
 
 enum NewtonState { RUNNING = 0, CONVERGED = 1, FAILED = 2 };
 
-constexpr int POWER_ITERS = 8;     // power iterations for lambda_max (the ridge only needs its scale)
-constexpr int MAX_THREADS = 1024;  // the host's largest block for the one-block-per-matrix kernels
+constexpr int POWER_ITERS = 8;  // power iterations for lambda_max (the host launches them; mirrored there)
 
 // block_sum / block_max: cukit/reduce.cuh (fixed order; every thread gets the result).
 __device__ __forceinline__ int block_any(int v) { return __syncthreads_or(v); }
@@ -39,61 +39,122 @@ template <typename A> __device__ __forceinline__ A power_start(long long j) {
   return A(1) + A(0.5) * static_cast<A>((j * 37) % 11) / A(10);
 }
 
-// Per matrix z: the ridge r = eps * lambda_max (Rayleigh quotient after POWER_ITERS power
-// iterations, a lower bound that is close for the ridge's purpose), the scale from the exact
-// ||A + r I||_F^2 = ||A||_F^2 + 2 r tr(A) + n r^2, then X_0 and M_0. A matrix whose norm is zero or
-// not finite is marked FAILED (its X_0 is NaN). work: 2 * n + 1 accumulators per matrix: the
-// power-iteration vectors (read through L1 by the warps), then r (for add_diag).
+// The O(n^2) kernels around the products run on row chunks: block b takes matrix z = b / chunks,
+// rows [c rows, (c + 1) rows) with c = b % chunks and chunks = ceil(n / rows) (the host sizes
+// `rows` so that a batch of a few large matrices still fills the GPU), a warp per row (coalesced),
+// lanes along the columns. A chunk's partial results go to part[(q * batch + z) * chunks + c] for
+// quantity q; a later launch reduces a matrix's chunks in a fixed order (deterministic, no atomics).
+struct Chunk {
+  long long z, batch, r0, r1;  // matrix, matrices, rows [r0, r1)
+  int c, chunks, lane, warp, warps;
+};
+__device__ __forceinline__ Chunk chunk_of(long long n, long long rows) {
+  Chunk c;
+  c.chunks = static_cast<int>((n + rows - 1) / rows);
+  c.z = blockIdx.x / c.chunks;
+  c.c = static_cast<int>(blockIdx.x - c.z * c.chunks);
+  c.batch = gridDim.x / c.chunks;
+  c.r0 = static_cast<long long>(c.c) * rows;
+  c.r1 = min(n, c.r0 + rows);
+  c.lane = threadIdx.x & 31;
+  c.warp = threadIdx.x >> 5;
+  c.warps = blockDim.x >> 5;
+  return c;
+}
+template <typename A> __device__ __forceinline__ A* part_at(A* part, int q, const Chunk& c) {
+  return part + (static_cast<long long>(q) * c.batch + c.z) * c.chunks + c.c;
+}
+// The sum (MAXQ: the maximum) of quantity q's partials of matrix z over its `chunks` chunks; every
+// thread of the block gets it.
+template <bool MAXQ, typename A>
+__device__ __forceinline__ A reduce_parts(const A* part, int q, long long z, int chunks, long long batch, A* scratch) {
+  A v = A(0);
+  const A* pz = part + (static_cast<long long>(q) * batch + z) * chunks;
+  for (int k = threadIdx.x; k < chunks; k += blockDim.x) v = MAXQ ? max(v, pz[k]) : v + pz[k];
+  return MAXQ ? block_max(v, scratch) : block_sum(v, scratch);
+}
+
+// Partials (6 quantities: the host's _NEWTON_PARTS): 0 and 1 are ||A||_F^2 and tr(A) (newton_power's
+// first pass), the power iteration's v.y / ||v|| and y.y take 2 + 2 (it % 2) and 3 + 2 (it % 2);
+// newton_resid's max |M - I| takes 0.
+
+// Power iteration `it` for lambda_max (the ridge only needs its scale), per row chunk:
+// y = A v / ||v|| with v the power_start vector (it = 0) or the previous y; work[z] holds the two
+// vectors (it writes work[z, (it % 2) n + i]) and then r. Partials v.y and y.y of the chunk's rows;
+// it = 0 also ||A||_F^2 and tr(A) over them. A previous y of zero (or not finite) norm stops the
+// iteration: y = 0 from there on (lambda = 0: the ridge is 0, as for a zero A v).
 template <typename T>
-__global__ void __launch_bounds__(MAX_THREADS)
-    newton_init(const T* __restrict__ a, T* __restrict__ x, T* __restrict__ m, int* __restrict__ state,
-                acc_t<T>* __restrict__ work, long long n, long long p, double eps) {
+__global__ void __launch_bounds__(256)
+    newton_power(const T* __restrict__ a, acc_t<T>* __restrict__ work, acc_t<T>* __restrict__ part, long long n,
+                 long long rows, long long it) {
   using A = acc_t<T>;
   __shared__ A scratch[32];
-  const long long z = blockIdx.x;
-  const long long nn = n * n;
-  const T* az = a + z * nn;
-  A* v = work + z * (2 * n + 1);
-  A* y = v + n;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-
-  A ss = A(0), tr = A(0), vv = A(0);
-  for (long long e = threadIdx.x; e < nn; e += blockDim.x) {
-    const A t = static_cast<A>(az[e]);
-    ss += t * t;
+  const Chunk c = chunk_of(n, rows);
+  const T* az = a + c.z * n * n;
+  A* wz = work + c.z * (2 * n + 1);
+  const A* v = wz + ((it + 1) % 2) * n;
+  A* y = wz + (it % 2) * n;
+  A vv;
+  if (it == 0) {
+    vv = A(0);
+    for (long long j = threadIdx.x; j < n; j += blockDim.x) vv += power_start<A>(j) * power_start<A>(j);
+    vv = block_sum(vv, scratch);
+  } else {
+    vv = reduce_parts<false>(part, 3 + 2 * ((it + 1) % 2), c.z, c.chunks, c.batch, scratch);
   }
-  for (long long j = threadIdx.x; j < n; j += blockDim.x) {
-    tr += static_cast<A>(az[j * n + j]);
-    const A s = power_start<A>(j);
-    v[j] = s;
-    vv += s * s;
-  }
-  ss = block_sum(ss, scratch);
-  tr = block_sum(tr, scratch);
-  vv = block_sum(vv, scratch);
-  A lam = A(0);
-  for (int it = 0; it < POWER_ITERS; ++it) {
-    // y = A v / ||v|| (a warp per row: coalesced row reads), then lam = v.y / ||v||, ||y||
-    __syncthreads();
-    const A inv = A(1) / sqrt(vv);
-    for (long long i = warp; i < n; i += warps) {
-      A s = A(0);
-      for (long long j = lane; j < n; j += 32) s += static_cast<A>(az[i * n + j]) * v[j];
+  const bool live = vv > A(0);  // uniform over the block
+  const A inv = live ? A(1) / sqrt(vv) : A(0);
+  A vy = A(0), yy = A(0), ss = A(0), tr = A(0);
+  for (long long i = c.r0 + c.warp; i < c.r1; i += c.warps) {
+    A s = A(0);
+    const T* row = az + i * n;
+    for (long long j = c.lane; j < n; j += 32) {
+      const A aij = static_cast<A>(row[j]);
+      s += aij * (it == 0 ? power_start<A>(j) : v[j]);
+      if (it == 0) ss += aij * aij;
+    }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) y[i] = s * inv;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (c.lane == 0) {
+      const A yi = live ? s * inv : A(0);
+      y[i] = yi;
+      vy += (it == 0 ? power_start<A>(i) : v[i]) * yi;
+      yy += yi * yi;
+      if (it == 0) tr += static_cast<A>(row[i]);
     }
-    __syncthreads();
-    A vy = A(0), yy = A(0);
-    for (long long j = threadIdx.x; j < n; j += blockDim.x) {
-      vy += v[j] * y[j];
-      yy += y[j] * y[j];
-    }
-    lam = block_sum(vy, scratch) * inv;
-    vv = block_sum(yy, scratch);
-    if (!(vv > A(0))) break;  // A v == 0: lam is 0 (uniform across the block: vv is)
-    for (long long j = threadIdx.x; j < n; j += blockDim.x) v[j] = y[j];
   }
+  vy = block_sum(vy, scratch);
+  yy = block_sum(yy, scratch);
+  if (it == 0) {
+    ss = block_sum(ss, scratch);
+    tr = block_sum(tr, scratch);
+  }
+  if (threadIdx.x == 0) {
+    *part_at(part, 2 + 2 * (it % 2), c) = vy * inv;  // lambda's share: v.(A v) / ||v||^2
+    *part_at(part, 3 + 2 * (it % 2), c) = yy;
+    if (it == 0) {
+      *part_at(part, 0, c) = ss;
+      *part_at(part, 1, c) = tr;
+    }
+  }
+}
+
+// After newton_power's `iters` passes: lambda (the last pass's Rayleigh quotient, a lower bound that
+// is close for the ridge's purpose), the ridge r = eps * lambda, the scale from the exact
+// ||A + r I||_F^2 = ||A||_F^2 + 2 r tr(A) + n r^2, then X_0 and M_0 of the chunk's rows. A matrix
+// whose norm is zero or not finite is marked FAILED (its X_0 is NaN). Chunk 0 writes the state and
+// r (work[z, 2 n], for add_diag).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    newton_start(const T* __restrict__ a, T* __restrict__ x, T* __restrict__ m, int* __restrict__ state,
+                 acc_t<T>* __restrict__ work, const acc_t<T>* __restrict__ part, long long n, long long p, double eps,
+                 long long rows, long long iters) {
+  using A = acc_t<T>;
+  __shared__ A scratch[32];
+  const Chunk c = chunk_of(n, rows);
+  const A ss = reduce_parts<false>(part, 0, c.z, c.chunks, c.batch, scratch);
+  const A tr = reduce_parts<false>(part, 1, c.z, c.chunks, c.batch, scratch);
+  const A lam = reduce_parts<false>(part, 2 + 2 * ((iters + 1) % 2), c.z, c.chunks, c.batch, scratch);
   const A r = static_cast<A>(eps) * max(lam, A(0));
   const A fro2 = ss + A(2) * r * tr + static_cast<A>(n) * r * r;
   const A fro = sqrt(max(fro2, A(0)));
@@ -101,79 +162,88 @@ __global__ void __launch_bounds__(MAX_THREADS)
   const A pp = static_cast<A>(p);
   const A sc = ok ? (pp + A(1)) / (A(2) * fro) : A(0);
   const A xs = ok ? pow(sc, A(1) / pp) : A(0) / A(0);  // NaN
-  if (threadIdx.x == 0) {
-    state[z] = ok ? RUNNING : FAILED;
-    v[2 * n] = r;
+  if (c.c == 0 && threadIdx.x == 0) {
+    state[c.z] = ok ? RUNNING : FAILED;
+    work[c.z * (2 * n + 1) + 2 * n] = r;
   }
-  T* xz = x + z * nn;
-  T* mz = m + z * nn;
-  for (long long e = threadIdx.x; e < nn; e += blockDim.x) {
-    const bool diag = e % (n + 1) == 0;
-    xz[e] = static_cast<T>(diag ? xs : A(0));
-    mz[e] = static_cast<T>(sc * (static_cast<A>(az[e]) + (diag ? r : A(0))));
-  }
+  const long long off = c.z * n * n;
+  for (long long i = c.r0 + c.warp; i < c.r1; i += c.warps)
+    for (long long j = c.lane; j < n; j += 32) {
+      const long long e = off + i * n + j;
+      x[e] = static_cast<T>(i == j ? xs : A(0));
+      m[e] = static_cast<T>(sc * (static_cast<A>(a[e]) + (i == j ? r : A(0))));
+    }
 }
 
-// One Newton step's T from M: the residual max |M - I| (a max does not depend on order) decides
-// whether the matrix converged (<= tol) or failed (a non-finite element); T = I unless running.
+// max |M - I| over the chunk's rows (quantity 0), +inf where an element of M, or of X when x is
+// given, is not finite. A matrix that is not running (state given) is not read: its partial is 0
+// (newton_step then keeps its state).
 template <typename T>
-__global__ void __launch_bounds__(MAX_THREADS)
-    newton_step(const T* __restrict__ m, T* __restrict__ t, int* __restrict__ state, long long n, long long p,
-                double tol) {
+__global__ void __launch_bounds__(256)
+    newton_resid(const T* __restrict__ m, const T* __restrict__ x, const int* __restrict__ state,
+                 acc_t<T>* __restrict__ part, long long n, long long rows) {
   using A = acc_t<T>;
   __shared__ A scratch[32];
-  const long long z = blockIdx.x;
-  const long long nn = n * n;
-  const T* mz = m + z * nn;
-  T* tz = t + z * nn;
-  const int s0 = state[z];  // read by every thread before thread 0 may write it below
+  const Chunk c = chunk_of(n, rows);
   A res = A(0);
   int bad = 0;
-  if (s0 == RUNNING) {
-    for (long long e = threadIdx.x; e < nn; e += blockDim.x) {
-      const A d = static_cast<A>(mz[e]) - (e % (n + 1) == 0 ? A(1) : A(0));
-      bad |= !isfinite(d);
-      res = max(res, fabs(d));
-    }
+  if (state == nullptr || state[c.z] == RUNNING) {
+    const long long off = c.z * n * n;
+    for (long long i = c.r0 + c.warp; i < c.r1; i += c.warps)
+      for (long long j = c.lane; j < n; j += 32) {
+        const A d = static_cast<A>(m[off + i * n + j]) - (i == j ? A(1) : A(0));
+        bad |= !isfinite(d) || (x != nullptr && !isfinite(static_cast<A>(x[off + i * n + j])));
+        res = max(res, fabs(d));
+      }
   }
   bad = block_any(bad);
   res = block_max(res, scratch);
+  if (threadIdx.x == 0) *part_at(part, 0, c) = bad ? A(1) / A(0) : res;  // +inf
+}
+
+// One Newton step's T from M for the chunk's rows: the residual max |M - I| (newton_resid's
+// partials; +inf: a non-finite element) decides whether the matrix converged (<= tol) or failed;
+// T = I unless running. Chunk 0 writes the new state. The other chunks may read it already
+// updated: the transition is idempotent (a converged or failed state stays), so every chunk
+// computes the same state and the same T.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    newton_step(const T* __restrict__ m, T* __restrict__ t, int* __restrict__ state, const acc_t<T>* __restrict__ part,
+                long long n, long long p, double tol, long long rows) {
+  using A = acc_t<T>;
+  __shared__ A scratch[32];
+  const Chunk c = chunk_of(n, rows);
+  const int s0 = state[c.z];
+  const A res = reduce_parts<true>(part, 0, c.z, c.chunks, c.batch, scratch);
   int s = s0;
-  if (s == RUNNING && bad) s = FAILED;
+  if (s == RUNNING && isinf(res)) s = FAILED;
   else if (s == RUNNING && res <= static_cast<A>(tol)) s = CONVERGED;
-  if (threadIdx.x == 0 && s != s0) state[z] = s;
+  if (c.c == 0 && threadIdx.x == 0 && s != s0) state[c.z] = s;
   const A pp = static_cast<A>(p);
   const A a0 = (pp + A(1)) / pp, a1 = A(-1) / pp;
-  for (long long e = threadIdx.x; e < nn; e += blockDim.x) {
-    const bool diag = e % (n + 1) == 0;
-    const A v = s == RUNNING ? a1 * static_cast<A>(mz[e]) + (diag ? a0 : A(0)) : (diag ? A(1) : A(0));
-    tz[e] = static_cast<T>(v);
-  }
+  const long long off = c.z * n * n;
+  for (long long i = c.r0 + c.warp; i < c.r1; i += c.warps)
+    for (long long j = c.lane; j < n; j += 32) {
+      const long long e = off + i * n + j;
+      const A v = s == RUNNING ? a1 * static_cast<A>(m[e]) + (i == j ? a0 : A(0)) : (i == j ? A(1) : A(0));
+      t[e] = static_cast<T>(v);
+    }
 }
 
-// The per-matrix result flag after the last step: 0 converged (max |M - I| <= tol, X finite),
-// 1 not converged, 2 failed (non-finite M or X, or a zero/non-finite scale at the start).
+// The per-matrix result flag after the last step, from newton_resid's partials of (M, X) (one block
+// per matrix): 0 converged (max |M - I| <= tol, X finite), 1 not converged, 2 failed (non-finite
+// M or X, or a zero/non-finite scale at the start).
 template <typename T>
-__global__ void __launch_bounds__(MAX_THREADS)
-    newton_finish(const T* __restrict__ m, const T* __restrict__ x, const int* __restrict__ state,
-                  int* __restrict__ info, long long n, double tol) {
+__global__ void __launch_bounds__(256)
+    newton_finish(const acc_t<T>* __restrict__ part, const int* __restrict__ state, int* __restrict__ info,
+                  long long chunks, double tol) {
   using A = acc_t<T>;
   __shared__ A scratch[32];
   const long long z = blockIdx.x;
-  const long long nn = n * n;
-  const T* mz = m + z * nn;
-  const T* xz = x + z * nn;
-  A res = A(0);
-  int bad = 0;
-  for (long long e = threadIdx.x; e < nn; e += blockDim.x) {
-    const A d = static_cast<A>(mz[e]) - (e % (n + 1) == 0 ? A(1) : A(0));
-    bad |= !isfinite(d) || !isfinite(static_cast<A>(xz[e]));
-    res = max(res, fabs(d));
-  }
-  bad = block_any(bad);
-  res = block_max(res, scratch);
+  const A res = reduce_parts<true>(part, 0, z, static_cast<int>(chunks), gridDim.x, scratch);
   if (threadIdx.x == 0) {
     const int s = state[z];
+    const bool bad = isinf(res);
     info[z] = (s == FAILED || bad) ? FAILED : (s == CONVERGED || res <= static_cast<A>(tol)) ? 0 : 1;
   }
 }
@@ -268,7 +338,7 @@ __device__ __forceinline__ void fused_gemm(const T* a, const T* b, T* c, int n) 
   __syncthreads();
 }
 
-// x: X_0 in, X out; m: M_0; state: newton_init's; info as newton_finish's, for the M of the step
+// x: X_0 in, X out; m: M_0; state: newton_start's; info as newton_finish's, for the M of the step
 // that stopped the matrix (or the last step's). The same tests, T and products as newton_step and
 // the GEMM path (results equal up to the products' summation order); a matrix that is not running
 // leaves the loop, where the GEMM path would multiply by T = I, which changes nothing.
@@ -348,7 +418,7 @@ __global__ void __launch_bounds__(FUSED_THREADS, 1)
   if (threadIdx.x == 0) info[z] = (s == FAILED || bad) ? FAILED : (s == CONVERGED || res <= tl) ? 0 : 1;
 }
 
-// m[z, i, i] += r_z, r_z = work[z, 2 n] (newton_init's ridge): A + r I for matrix_root.
+// m[z, i, i] += r_z, r_z = work[z, 2 n] (newton_start's ridge): A + r I for matrix_root.
 template <typename T>
 __global__ void add_diag(T* __restrict__ m, const acc_t<T>* __restrict__ work, long long batch, long long n) {
   using A = acc_t<T>;

@@ -347,7 +347,7 @@ def gemm_newton(monkeypatch):
 
 def mixed_batch(n: int, dtype: str) -> tuple[np.ndarray, list[int]]:
     """Matrices that stop at different steps: well conditioned (converges early), worse conditioned,
-    a NaN element (fails in newton_init), negative definite (diverges: fails inside the loop), a
+    a NaN element (fails in newton_start), negative definite (diverges: fails inside the loop), a
     middle one. Returns (batch, indices of the good ones)."""
     a = np.concatenate([spd((1,), n, dtype, ridge=2.0, seed=1), spd((1,), n, dtype, ridge=0.05, seed=2),
                         spd((1,), n, dtype, seed=3), -spd((1,), n, dtype, seed=4), spd((1,), n, dtype, seed=5)])
@@ -412,6 +412,26 @@ def test_gpu_newton_fused_agrees_with_gemm_path(request, dtype, n, p):
     check(y_f, to_numpy(y_g), dtype)
     yr, _ = L.newton_reference(a[good], p, 1e-3, L.default_max_iters(dtype), L.default_tol(dtype, n), root=True)
     check(y_f, yr, dtype)  # the ridge comes from the route's lambda_max estimate: its reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MATRIX_DTYPES)
+@pytest.mark.parametrize("n", [200, 600])
+def test_gpu_newton_gemm_path_row_chunks(dtype, n):
+    """n above the fused tiles: the O(n^2) kernels (power iteration, start, residual, step, finish)
+    run on several row chunks per matrix (_chunk_rows) and reduce their partials in a later launch;
+    per-matrix states, failures, ridge and X as the reference's."""
+    assert -(-n // L._chunk_rows(n)) > 1
+    tol, iters = L.default_tol(dtype, n), L.default_max_iters(dtype)
+    a, good = mixed_batch(n, dtype)
+    xr, ir = L.newton_reference(a, 4, 1e-6, iters, tol)
+    assert ir[2] == ir[3] == 2
+    x, info = la.matrix_inverse_root(_cuda_tensor(a), 4, method="newton", return_info=True)
+    assert info.tolist() == ir.tolist()
+    check(x[good], xr[good], dtype)
+    y = la.matrix_root(_cuda_tensor(a[good]), 2, eps=1e-3, method="newton")
+    yr, _ = L.newton_reference(a[good], 2, 1e-3, iters, tol, root=True)
+    check(y, yr, dtype)
 
 
 @pytest.mark.gpu
@@ -636,38 +656,82 @@ class _FakeDevice:
         dt = torch.float64 if "double" in name else torch.float32
         return lambda head, stream: getattr(self, kernel)(dt, head, tail)
 
-    def newton_init(self, dt, head, tail):
-        pa, px, pm, ps, pw = head
-        n, p, eps = tail
+    def _part(self, pp, n, rows, dt):
+        """The partial sums (quantity, matrix, chunk); the emulation keeps each total in chunk 0."""
+        chunks = -(-n // rows)
+        return self.flat(pp, L._NEWTON_PARTS * self.nb * chunks, dt).view(L._NEWTON_PARTS, self.nb, chunks)
+
+    def newton_power(self, dt, head, tail):
+        pa, pw, pp = head
+        n, rows, it = tail
+        nb = self.nb
+        a = self.flat(pa, nb * n * n, dt).view(nb, n, n)
+        work = self.flat(pw, nb * (2 * n + 1), dt).view(nb, 2 * n + 1)
+        part = self._part(pp, n, rows, dt)
+        if it == 0:
+            v = torch.from_numpy(L._power_start(n, np.float64)).to(dt).expand(nb, n).clone()
+            vv = (v * v).sum(-1)
+        else:
+            v = work[:, ((it + 1) % 2) * n:((it + 1) % 2) * n + n].clone()
+            vv = part[3 + 2 * ((it + 1) % 2)].sum(-1)
+        live = vv > 0
+        inv = torch.where(live, 1 / vv.sqrt(), torch.zeros_like(vv))
+        y = (a @ v[..., None])[..., 0] * inv[:, None]
+        work[:, (it % 2) * n:(it % 2) * n + n] = y
+        for q, val in ((2 + 2 * (it % 2), (v * y).sum(-1) * inv), (3 + 2 * (it % 2), (y * y).sum(-1))):
+            part[q].zero_()
+            part[q][:, 0] = val
+        if it == 0:
+            part[0:2].zero_()
+            part[0][:, 0] = (a * a).sum((-2, -1))
+            part[1][:, 0] = a.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+    def newton_start(self, dt, head, tail):
+        pa, px, pm, ps, pw, pp = head
+        n, p, eps, rows, iters = tail
         nb = self.nb
         a = self.flat(pa, nb * n * n, dt).view(nb, n, n)
         x, m = self.flat(px, nb * n * n, dt).view(nb, n, n), self.flat(pm, nb * n * n, dt).view(nb, n, n)
         work = self.flat(pw, nb * (2 * n + 1), dt).view(nb, 2 * n + 1)
-        xr, _ = L.newton_reference(a.numpy(), p, eps, 0, 0.0)  # zero steps: X_0; M_0, r below
-        ss, tr = (a * a).sum((-2, -1)), a.diagonal(dim1=-2, dim2=-1).sum(-1)
-        v = torch.from_numpy(L._power_start(n, np.float64)).to(dt).expand(nb, n).clone()
-        vv, lam = (v * v).sum(-1), torch.zeros(nb, dtype=dt)
-        for _ in range(L.POWER_ITERS):
-            inv = 1 / vv.sqrt()
-            y = (a @ v[..., None])[..., 0] * inv[:, None]
-            lam, vv, v = (v * y).sum(-1) * inv, (y * y).sum(-1), y
+        part = self._part(pp, n, rows, dt)
+        ss, tr, lam = part[0].sum(-1), part[1].sum(-1), part[2 + 2 * ((iters + 1) % 2)].sum(-1)
         r = eps * lam.clamp_min(0)
         fro = (ss + 2 * r * tr + n * r * r).clamp_min(0).sqrt()
-        sc = (p + 1) / (2 * fro)
-        x.copy_(torch.from_numpy(xr))
-        m.copy_(sc[:, None, None] * (a + r[:, None, None] * torch.eye(n, dtype=dt)))
+        ok = (fro > 0) & fro.isfinite()
+        sc = torch.where(ok, (p + 1) / (2 * fro), torch.zeros_like(fro))
+        xs = torch.where(ok, sc ** (1 / p), torch.full_like(fro, float("nan")))
+        eye = torch.eye(n, dtype=dt)
+        x.copy_(xs[:, None, None] * eye)
+        m.copy_(sc[:, None, None] * (a + r[:, None, None] * eye))
         work[:, 2 * n] = r
-        self.flat(ps, nb, torch.int32).copy_(torch.where(fro > 0, 0, 2))
+        self.flat(ps, nb, torch.int32).copy_(torch.where(ok, 0, 2))
+
+    def newton_resid(self, dt, head, tail):
+        pm, px, ps, pp = head
+        n, rows = tail
+        nb = self.nb
+        m = self.flat(pm, nb * n * n, dt).view(nb, n, n)
+        d = m - torch.eye(n, dtype=dt)
+        bad = ~d.isfinite().all(-1).all(-1)
+        if px:
+            bad |= ~self.flat(px, nb * n * n, dt).view(nb, n, n).isfinite().all(-1).all(-1)
+        res = torch.where(bad, torch.full_like(bad, float("inf"), dtype=dt), d.abs().amax((-2, -1)))
+        if ps:
+            res = torch.where(self.flat(ps, nb, torch.int32) == 0, res, torch.zeros_like(res))
+        part = self._part(pp, n, rows, dt)
+        part[0].zero_()
+        part[0][:, 0] = res
 
     def newton_step(self, dt, head, tail):
-        pm, pt, ps = head
-        n, p, tol = tail
+        pm, pt, ps, pp = head
+        n, p, tol, rows = tail
         nb = self.nb
         m, t = self.flat(pm, nb * n * n, dt).view(nb, n, n), self.flat(pt, nb * n * n, dt).view(nb, n, n)
         state = self.flat(ps, nb, torch.int32)
         eye = torch.eye(n, dtype=dt)
-        res = (m - eye).abs().amax((-2, -1))
-        new = torch.where((state == 0) & (res <= tol), 1, state).to(torch.int32)
+        res = self._part(pp, n, rows, dt)[0].amax(-1)
+        run = state == 0
+        new = torch.where(run & res.isinf(), 2, torch.where(run & (res <= tol), 1, state)).to(torch.int32)
         state.copy_(new)
         t.copy_(torch.where((new == 0)[:, None, None], m * (-1 / p) + eye * ((p + 1) / p), eye))
 
@@ -691,13 +755,13 @@ class _FakeDevice:
         self.flat(pi, nb, torch.int32).copy_(torch.where((state == 1) | (res <= tol), 0, 1))
 
     def newton_finish(self, dt, head, tail):
-        pm, _, ps, pi = head
-        n, tol = tail
+        pp, ps, pi = head
+        chunks, tol = tail
         nb = self.nb
-        m = self.flat(pm, nb * n * n, dt).view(nb, n, n)
-        res = (m - torch.eye(n, dtype=dt)).abs().amax((-2, -1))
+        res = self.flat(pp, L._NEWTON_PARTS * nb * chunks, dt).view(L._NEWTON_PARTS, nb, chunks)[0].amax(-1)
         state = self.flat(ps, nb, torch.int32)
-        self.flat(pi, nb, torch.int32).copy_(torch.where((state == 1) | (res <= tol), 0, 1))
+        info = torch.where((state == 2) | res.isinf(), 2, torch.where((state == 1) | (res <= tol), 0, 1))
+        self.flat(pi, nb, torch.int32).copy_(info)
 
     def add_diag(self, dt, head, tail):
         pm, pw = head

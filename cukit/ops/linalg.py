@@ -74,6 +74,8 @@ KRON_DTYPES = ("float16", "bfloat16", "float32", "float64")
 EIGH_MAX_N = 16
 
 POWER_ITERS = 8  # power iterations for the ridge's lambda_max (linalg.cu's POWER_ITERS)
+_NEWTON_PARTS = 6  # partial sums per row chunk (linalg.cu's NEWTON_PARTS)
+_CHUNK_THREADS = 256  # block of linalg.cu's row-chunk kernels
 _KRON_DIMS = 4  # Kronecker dimensions the kron kernel decodes (more: the broadcasting fallback)
 _BLOCK = 256
 _INT32_MAX = 2**31 - 1
@@ -94,8 +96,8 @@ def _instantiations() -> dict[str, list[str]]:
         dt = DTYPES[name]
         exprs = [f"kron_kernel<{dt.ctype}, {v}>" for v in sorted({16 // dt.itemsize, 1})]
         if name in MATRIX_DTYPES:
-            exprs += [f"{k}<{dt.ctype}>" for k in ("newton_init", "newton_step", "newton_finish", "eig_scale",
-                                                    "add_diag")]
+            exprs += [f"{k}<{dt.ctype}>" for k in ("newton_power", "newton_start", "newton_resid", "newton_step",
+                                                    "newton_finish", "eig_scale", "add_diag")]
             exprs += [f"newton_fused<{dt.ctype}, {t}>" for t in _FUSED_TILES[name]]
         groups[name] = exprs
     return groups
@@ -105,9 +107,11 @@ KERNELS = KernelModule(
     "linalg.cu",
     instantiations=_instantiations(),
     signatures={
-        "newton_init": "ptr ptr ptr ptr ptr i64 i64 f64",
-        "newton_step": "ptr ptr ptr i64 i64 f64",
-        "newton_finish": "ptr ptr ptr ptr i64 f64",
+        "newton_power": "ptr ptr ptr i64 i64 i64",
+        "newton_start": "ptr ptr ptr ptr ptr ptr i64 i64 f64 i64 i64",
+        "newton_resid": "ptr ptr ptr ptr i64 i64",
+        "newton_step": "ptr ptr ptr ptr i64 i64 f64 i64",
+        "newton_finish": "ptr ptr ptr i64 f64",
         "newton_fused": "ptr ptr ptr ptr i64 i64 i64 f64",
         "eig_scale": "ptr ptr ptr ptr i64 i64 f64 f64",
         "add_diag": "ptr ptr i64 i64",
@@ -243,32 +247,38 @@ def _key(tag: str, a: Any, *extra: Any) -> tuple:
     return (tag, a.shape, a.strides, a.dtype, a.device.id, *extra)
 
 
-def _threads(n: int) -> int:
-    """Threads of the one-block-per-matrix kernels (at most linalg.cu's MAX_THREADS)."""
-    return 1024 if n >= 1024 else 512 if n >= 256 else 256
+def _chunk_rows(n: int) -> int:
+    """Rows per block of linalg.cu's row-chunk kernels: about 16K elements each (a few large
+    matrices still fill the GPU; small ones take one block), at most 1024 chunks per matrix (a
+    block reduces a matrix's partials in one pass)."""
+    return max(-(-n // 1024), 16384 // max(n, 1), 1)
 
 
-def _gemm(a: Any, b: Any, out: Any, precision: str) -> None:
+def _gemm(a: Any, b: Any, out: Any, precision: str, sym: bool = False) -> None:
+    """out = a @ b, batched. sym: b is symmetric (every right operand of the Newton iteration is a
+    polynomial in A), so b^T may stand for b: tf32 products then read b as a K-major operand,
+    which Hopper's TMA + wgmma kernel takes (its tf32 form has no transposed operands)."""
     from cukit.ops.matmul import gemm
 
-    gemm(a, b, out, precision=precision)
+    gemm(a, _mT(b) if sym and precision == "tf32" else b, out, precision=precision)
 
 
-def _apply_power(t: Any, p: int, m: Any, m_free: Any, bases: list[Any], precision: str) -> tuple[Any, Any]:
+def _apply_power(t: Any, p: int, m: Any, m_free: Any, bases: list[Any], precision: str,
+                 sym: bool = False) -> tuple[Any, Any]:
     """T^p M by binary powering on batched GEMMs: (result, the free buffer of the result's pair).
     Results ping-pong between m and m_free, the squares T^2, T^4, ... between the buffers of bases
-    (floor(log2 p) squarings: len(bases) >= min(2, that))."""
+    (floor(log2 p) squarings: len(bases) >= min(2, that)). sym: T and M are symmetric (_gemm)."""
     res, free = m, m_free
     base, e, k = t, p, 0
     while True:
         if e & 1:
-            _gemm(base, res, free, precision)
+            _gemm(base, res, free, precision, sym)
             res, free = free, res
         e >>= 1
         if not e:
             return res, free
         nxt = bases[k % 2]
-        _gemm(base, base, nxt, precision)
+        _gemm(base, base, nxt, precision, sym)
         base, k = nxt, k + 1
 
 
@@ -401,12 +411,21 @@ def _root_host(A: Any, kind: str, p: int, sign: int, eps: float, route: str, ite
 
 
 class _NewtonPlan:
-    """The launches of one Newton signature: fused (newton_fused) or step and finish (the GEMM path)."""
+    """The launches of one Newton signature: the start (POWER_ITERS newton_power passes, then
+    newton_start), then fused (newton_fused) or resid, step and finish (the GEMM path)."""
 
-    __slots__ = ("add_diag", "finish", "fused", "init", "step")
+    __slots__ = ("add_diag", "chunks", "finish", "fused", "power", "resid", "start", "step")
 
-    def __init__(self, init: Any, add_diag: Any, *, fused: Any = None, step: Any = None, finish: Any = None) -> None:
-        self.init, self.add_diag, self.fused, self.step, self.finish = init, add_diag, fused, step, finish
+    def __init__(self, power: list[Any], start: Any, add_diag: Any, chunks: int, *, fused: Any = None,
+                 resid: Any = None, step: Any = None, finish: Any = None) -> None:
+        self.power, self.start, self.add_diag, self.chunks = power, start, add_diag, chunks
+        self.fused, self.resid, self.step, self.finish = fused, resid, step, finish
+
+    def init(self, a: int, x: int, m: int, state: int, work: int, part: int, stream: Any) -> None:
+        """X_0, M_0, the state and the ridge (work[:, 2 n]) of every matrix."""
+        for run in self.power:
+            run((a, work, part), stream)
+        self.start((a, x, m, state, work, part), stream)
 
 
 def _fused_smem(nmax: int, itemsize: int) -> int:
@@ -442,40 +461,48 @@ _KRON_PLANS = PlanCache("linalg_kron", maxsize=1024)
 def _newton_gpu(a: Any, kind: str, device: int, dt: DType, p: int, eps: float, iters: int, tol: float,
                 precision: str, root: bool) -> tuple[Any, Any]:
     """X = (A + r I)^(-1/p) (root: (A + r I)^(1/p)) and info for contiguous (B, n, n) CUDA arrays:
-    on the current stream, no host sync: newton_init, then either newton_fused (the whole loop, one
-    block per matrix) or per step newton_step, X T and (but in the last step, whose M would only be
-    tested) T^p M by binary powering, then newton_finish."""
+    on the current stream, no host sync: newton_power and newton_start, then either newton_fused
+    (the whole loop, one block per matrix) or per step newton_resid, newton_step, X T and (but in
+    the last step, whose M would only be tested) T^p M by binary powering, then newton_resid and
+    newton_finish."""
     nb, n = int(a.shape[0]), int(a.shape[1])
     key = _key("newton", a, p, eps, tol, iters, precision, _FUSED_NEWTON)
     plan = _NEWTON_PLANS.get(key)
     if plan is None:
-        th = (_threads(n),)
         c = dt.ctype
-        init = KERNELS.prepare(f"newton_init<{c}>", (nb,), th, (n, p, eps), device=device)
+        rows = _chunk_rows(n)
+        chunks = -(-n // rows)
+        grid, th = (nb * chunks,), (_CHUNK_THREADS,)
+        power = [KERNELS.prepare(f"newton_power<{c}>", grid, th, (n, rows, it), device=device)
+                 for it in range(POWER_ITERS)]
+        start = KERNELS.prepare(f"newton_start<{c}>", grid, th, (n, p, eps, rows, POWER_ITERS), device=device)
         add_diag = KERNELS.prepare(f"add_diag<{c}>", (max(1, min(-(-nb * n // _BLOCK), 65535)),), (_BLOCK,),
                                    (nb, n), device=device)
         tile = _fused_tile(n, dt, device) if _FUSED_NEWTON and precision == "ieee" else 0
         if tile:
-            plan = _NewtonPlan(init, add_diag, fused=KERNELS.prepare(
+            plan = _NewtonPlan(power, start, add_diag, chunks, fused=KERNELS.prepare(
                 f"newton_fused<{c}, {tile}>", (nb,), (_FUSED_THREADS,), (n, p, iters, tol), device=device,
                 shared_mem=_fused_smem(tile, dt.itemsize)))
         else:
             plan = _NewtonPlan(
-                init, add_diag,
-                step=KERNELS.prepare(f"newton_step<{c}>", (nb,), th, (n, p, tol), device=device),
-                finish=KERNELS.prepare(f"newton_finish<{c}>", (nb,), th, (n, tol), device=device),
+                power, start, add_diag, chunks,
+                resid=KERNELS.prepare(f"newton_resid<{c}>", grid, th, (n, rows), device=device),
+                step=KERNELS.prepare(f"newton_step<{c}>", grid, th, (n, p, tol, rows), device=device),
+                finish=KERNELS.prepare(f"newton_finish<{c}>", (nb,), th, (chunks, tol), device=device),
             )
         _NEWTON_PLANS.put(key, plan)
     stream = current_stream(device, kind == "torch")
     shape = (nb, n, n)
     acc = "float64" if dt.name == "float64" else "float32"
     small = _empty((nb, 2 * n + 1), a, kind, acc)  # power-iteration vectors, the ridge r
+    part = _empty((_NEWTON_PARTS, nb, plan.chunks), a, kind, acc)  # the row chunks' partial sums
     state, info = _empty((nb,), a, kind, "int32"), _empty((nb,), a, kind, "int32")
     x = _empty(shape, a, kind)
+    pa, ps, pw, pp = _ptr(a), _ptr(state), _ptr(small), _ptr(part)
     if plan.fused is not None:
         m = _empty(shape, a, kind)
-        plan.init((_ptr(a), _ptr(x), _ptr(m), _ptr(state), _ptr(small)), stream)
-        plan.fused((_ptr(x), _ptr(m), _ptr(state), _ptr(info)), stream)
+        plan.init(pa, _ptr(x), _ptr(m), ps, pw, pp, stream)
+        plan.fused((_ptr(x), _ptr(m), ps, _ptr(info)), stream)
         del m
         x_free = _empty(shape, a, kind) if root else None
         bases = [_empty(shape, a, kind) for _ in range(_n_bases(p - 1))] if root else []
@@ -483,23 +510,24 @@ def _newton_gpu(a: Any, kind: str, device: int, dt: DType, p: int, eps: float, i
         x_free = _empty(shape, a, kind)
         work = _empty((4 + _n_bases(p), nb, n, n), a, kind)  # M, its pair, T, the squares of T
         m, m_free, t, bases = work[0], work[1], work[2], [work[3 + i] for i in range(_n_bases(p))]
-        ps = _ptr(state)
-        plan.init((_ptr(a), _ptr(x), _ptr(m), ps, _ptr(small)), stream)
+        plan.init(pa, _ptr(x), _ptr(m), ps, pw, pp, stream)
         for k in range(iters):
-            plan.step((_ptr(m), _ptr(t), ps), stream)
-            _gemm(x, t, x_free, precision)
+            plan.resid((_ptr(m), 0, ps, pp), stream)
+            plan.step((_ptr(m), _ptr(t), ps, pp), stream)
+            _gemm(x, t, x_free, precision, sym=True)
             x, x_free = x_free, x
             if k + 1 < iters:  # the last M would only be tested: finish tests the one the last step used
-                m, m_free = _apply_power(t, p, m, m_free, bases, precision)
-        plan.finish((_ptr(m), _ptr(x), ps, _ptr(info)), stream)
+                m, m_free = _apply_power(t, p, m, m_free, bases, precision, sym=True)
+        plan.resid((_ptr(m), _ptr(x), 0, pp), stream)
+        plan.finish((pp, ps, _ptr(info)), stream)
     if not root:
         return x, info
     # Y = X^(p-1) (A + r I): the ridge r is the last column of `small`. Results in fresh
     # allocations only, so that Y does not keep the workspace alive.
     ar = _empty(shape, a, kind)
     ar[...] = a
-    plan.add_diag((_ptr(ar), _ptr(small)), stream)
-    y, _ = _apply_power(x, p - 1, ar, x_free, bases, precision)
+    plan.add_diag((_ptr(ar), pw), stream)
+    y, _ = _apply_power(x, p - 1, ar, x_free, bases, precision, sym=True)
     return y, info
 
 
