@@ -14,7 +14,8 @@ How it works (one forward, one backward pass, no parameter gradients computed by
 Supported layers (fused path): torch.nn.Linear and cukit.nn.Linear (with a fused activation, the
 grad w.r.t. its pre-activation is recovered as G * act'(x W^T + b)), transformers' and cukit's
 Conv1D (``y = x W + b``), torch.nn.Conv1d/Conv2d and cukit.nn.Conv2d (any stride, padding, dilation,
-groups, padding mode; by unfolding), torch.nn.Embedding (not ``scale_grad_by_freq``), LayerNorm
+groups, padding mode; on CUDA by default an implicit GEMM that never stores the patches, see
+``cukit.ops.per_sample.conv_route``), torch.nn.Embedding (not ``scale_grad_by_freq``), LayerNorm
 (torch and cukit), RMSNorm (torch.nn.RMSNorm, cukit.nn.RMSNorm, Hugging Face's Llama/Gemma/OLMo-2
 RMSNorm recognised by their code), and the biases of all of them. Inputs may be (B, d) or
 (B, ..., d) (sequence models: per-sample grad = sum over positions). Any other module owning
@@ -173,15 +174,6 @@ class LinearKind(Kind):
             ops.weighted_sum(ops.sum_over_t(g3), f, out["bias"])
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b batched: cukit's batch_matmul on CUDA (fp32 accumulation), torch.bmm on the CPU."""
-    if a.is_cuda:
-        from cukit.ops.matmul import batch_matmul
-
-        return batch_matmul(a, b, precision="ieee")
-    return torch.bmm(a, b)
-
-
 def _unit(t: torch.Tensor) -> torch.Tensor:
     """t itself when one of its two strides is 1 (gemm reads it in place), else a copy."""
     return t if t.stride(-1) == 1 or t.stride(-2) == 1 else t.contiguous()
@@ -200,15 +192,21 @@ def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class ConvKind(Kind):
-    """torch.nn.Conv1d/Conv2d and cukit.nn.Conv2d as a Linear over unfolded patches: per group,
-    A (B, L, C/groups * prod(kernel)) and G (B, L, O/groups)."""
+    """torch.nn.Conv1d/Conv2d and cukit.nn.Conv2d: per-sample grads, ghost norms and clipped sums
+    from the saved input x and the output grad G, by ``cukit.ops.per_sample``'s conv ops (a Conv1d
+    as a Conv2d of height 1; the route, per layer shape, by ``ops.conv_route``)."""
 
     name = "Conv"
 
     def save(self, m: nn.Module, args: tuple, kwargs: dict, out: Any) -> tuple[Any, torch.Tensor]:
         return args[0].detach(), out
 
-    def _ag(self, c: Call, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _xg(self, c: Call, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ops.ConvShape]:
+        """(x, G w.r.t. the pre-activation, shape) as the conv ops take them; kept on the call, so
+        that a DP step's norms and clipped sum prepare them once."""
+        hit = c.cache.get("xg")
+        if hit is not None:
+            return hit
         m = c.module
         x = c.saved
         one_d = isinstance(m, nn.Conv1d)
@@ -218,63 +216,56 @@ class ConvKind(Kind):
         st = (1, *m.stride) if one_d else tuple(m.stride)
         dil = (1, *m.dilation) if one_d else tuple(m.dilation)
         if getattr(m, "activation", None) is not None:
-            w = m.weight.detach()
-            z = F.conv2d(x, w, None, st, _conv_padding(m, one_d, ks, dil), dil, m.groups)
+            z = F.conv2d(_pad_input(m, _like(x, g), one_d, ks, dil), _like(m.weight.detach(), g), None, st, 0, dil,
+                         m.groups)
             g = _pre_activation_grad_conv(m, z, g)
-        x = _pad_input(m, x, one_d, ks, dil)
-        B, G = x.shape[0], m.groups
-        patches = F.unfold(x, ks, dilation=dil, padding=0, stride=st)  # (B, C * k, L)
-        L = patches.shape[-1]
-        patches = _like(patches, g)
-        a = patches.view(B, G, -1, L).transpose(2, 3).reshape(B * G, L, -1)  # (B G, L, C/G k)
-        gg = g.reshape(B, G, -1, L).transpose(2, 3).reshape(B * G, L, -1)  # (B G, L, O/G)
-        return a, gg
+        if m.padding_mode == "zeros":  # the kernels read past the input as zeros: no padded copy
+            pad = _zero_pads(m, one_d, ks, dil)
+        else:
+            x, pad = _pad_input(m, x, one_d, ks, dil), (0, 0)
+        x = _like(x, g).contiguous()
+        g = g.contiguous()
+        _, C, H, W = x.shape
+        _, K, P, Q = g.shape
+        shape = ops.ConvShape(C, H, W, K, P, Q, ks[0], ks[1], st, pad, dil, m.groups)
+        hit = c.cache["xg"] = (x, g, shape)
+        return hit
 
     def grads(self, c: Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
-        B = g.shape[0]
-        a, gg = self._ag(c, g)
+        x, g, s = self._xg(c, g)
         out = {}
-        w = c.module.weight
         if "weight" in c.params:
-            dw = ops.linear_grads(a, gg)  # (B G, O/G, C/G k)
-            out["weight"] = dw.reshape(B, *w.shape)
-        if "bias" in c.params:
-            out["bias"] = ops.sum_over_t(gg).reshape(B, -1)
+            dw, db = ops.conv_grads(x, g, s, bias="bias" in c.params)
+            out["weight"] = dw.view(g.shape[0], *c.module.weight.shape)
+            if db is not None:
+                out["bias"] = db
+        elif "bias" in c.params:
+            out["bias"] = g.sum((2, 3), dtype=ops._acc(g)).to(g.dtype)
         return out
 
     def sq_norms(self, c: Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
-        B = g.shape[0]
-        a, gg = self._ag(c, g)
-        out = {}
-        if "weight" in c.params:
-            out["weight"] = ops.linear_sq_norms(a, gg).view(B, -1).sum(1)
-        if "bias" in c.params:
-            acc = torch.float64 if gg.dtype == torch.float64 else torch.float32
-            out["bias"] = ops.row_sq_norms(ops.sum_over_t(gg, out_dtype=acc).reshape(B, -1))
-        return out
+        x, g, s = self._xg(c, g)
+        if "weight" not in c.params:
+            return {"bias": ops.row_sq_norms(g.sum((2, 3), dtype=ops._acc(g)))}
+        sw, sb = ops.conv_sq_norms(x, g, s, bias="bias" in c.params)
+        return {"weight": sw} if sb is None else {"weight": sw, "bias": sb}
 
     def clipped(self, c: Call, g: torch.Tensor, f: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-        B = g.shape[0]
-        G = c.module.groups
-        a, gg = self._ag(c, g)
-        L = a.shape[1]
+        x, g, s = self._xg(c, g)
         if "weight" in c.params:
-            gs = ops.scale_rows(gg, f.repeat_interleave(G) if G > 1 else f)  # rows of gg: (sample, group)
-            w = out["weight"].view(G, -1, a.shape[2])  # (G, O/G, C/G k)
-            if G == 1:
-                _addmm_(w[0], gs.reshape(B * L, -1).t(), a.reshape(B * L, -1))
-            else:  # one batched GEMM over the groups: (G, O/G, B L) @ (G, B L, C/G k)
-                lhs = gs.view(B, G, L, -1).permute(1, 3, 0, 2).reshape(G, -1, B * L)
-                rhs = a.view(B, G, L, -1).permute(1, 0, 2, 3).reshape(G, B * L, -1)
-                w.add_(_bmm(lhs, rhs).to(w.dtype))
-        if "bias" in c.params:
-            ops.weighted_sum(ops.sum_over_t(gg).reshape(B, -1), f, out["bias"])
+            ops.conv_clipped(x, g, s, f, out["weight"], out.get("bias") if "bias" in c.params else None)
+        elif "bias" in c.params:
+            ops.weighted_sum(g.sum((2, 3), dtype=ops._acc(g)), f, out["bias"])
 
 
-def _conv_padding(m: nn.Module, one_d: bool, ks: tuple, dil: tuple) -> Any:
-    if m.padding_mode != "zeros" or isinstance(m.padding, str):
-        return 0  # the input is padded explicitly by _pad_input
-    return (0, *m.padding) if one_d else tuple(m.padding)
+def _zero_pads(m: nn.Module, one_d: bool, ks: tuple, dil: tuple) -> tuple[int, int]:
+    """The top and left zero pads of a zeros-mode conv ("same": torch's split, the odd pixel at
+    the bottom/right, which the kernels never need to see)."""
+    if isinstance(m.padding, str):
+        if m.padding == "valid":
+            return 0, 0
+        return tuple(d * (k - 1) // 2 for k, d in zip(ks, dil, strict=True))  # type: ignore[return-value]
+    return (0, *m.padding) if one_d else tuple(m.padding)  # type: ignore[return-value]
 
 
 def _pad_input(m: nn.Module, x: torch.Tensor, one_d: bool, ks: tuple, dil: tuple) -> torch.Tensor:

@@ -10,6 +10,9 @@
 //                                        clipped contraction (Book-Keeping)
 //   weighted_sum_partial / _reduce       out[j] (+)= sum_i f[i] p[i, j]: clipped sum of
 //                                        materialised per-sample grads
+//   conv_per_sample / conv_norms_reduce  per-sample Conv weight and bias grads, their squared
+//                                        norms, or their clipped sum, as implicit GEMMs over the
+//                                        output pixels of each sample (patches never stored)
 // Inputs are contiguous row-major (the host makes them so); rows are samples. Maths in acc_t<T>
 // (fp32 for the 16-bit types). Every reduction has a fixed order for a given launch
 // configuration (warp shuffle trees, cukit/reduce.cuh, then splits in order): no atomics, the
@@ -216,4 +219,293 @@ __global__ void weighted_sum_reduce(const A* __restrict__ partial, O* __restrict
     for (long long k = 0; k < splits; ++k) s += partial[k * n + j];
     out[j] = from_acc<O>(s);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conv2d (Conv1d as H = R = P = 1) per sample, NCHW, groups G: one block holds a 64 x BN tile of
+// one sample's (or, clipped, one split's) weight gradient,
+//   dW_b[k, crs] = sum over output pixels (p, q) of g[b, k, p, q] * x[b, c, p sh - ph + r dh, q sw - pw + s dw],
+// crs = (c, r, s) within group grp (c in [0, C/G)), k in [0, K/G); db_b[k] = sum over (p, q) of g[b, k, p, q].
+// Rows of the GEMM are crs (the patch coordinates, gathered from x as a stage is loaded: the
+// patch matrix is never stored), columns k, reduction over the sample's P*Q pixels in stages of
+// BK. A read outside x is a zero: the top/left pads are given, the bottom/right ones are implicit
+// in P and Q (padding="same" with an even kernel costs nothing).
+//
+//   MODE 0 (grads)    dw (B, K, C/G, R, S) and db (B, K) in T: per-sample gradients.
+//   MODE 1 (norms)    part[b, tile] = sum of squares of the tile of dW_b, partb[b, column tile] =
+//                     sum of squares of db_b's columns; conv_norms_reduce adds them per sample in
+//                     tile order (ghost norms without storing dW_b).
+//   MODE 2 (clipped)  split z covers samples [z * per_split, ...) and g[b] is scaled by f[b] as it
+//                     is loaded: part[z, K * C/G * R * S] and partb[z, K] are the split's sums of
+//                     f_b dW_b and f_b db_b, which weighted_sum_reduce adds into p.grad in split order.
+//
+// Grid (ceil(C/G * R * S / 64) * splits, ceil(K/G / BN) * G): blockIdx.x = z * row tiles + row
+// tile, so the z (sample or split) of a block is its x over the row tiles. 128 threads; thread t stages pixel t % 8 of each stage for the rows t / 8 + 16 i and the
+// columns t / 8 + 16 j (consecutive threads read consecutive pixels of a plane), and multiplies 4
+// consecutive rows by BN / 8 columns. Stages are double buffered through shared memory (one
+// barrier per stage: the next stage travels global -> registers while this one is multiplied).
+// Every sum has a fixed order (no atomics): results are bitwise reproducible.
+// ---------------------------------------------------------------------------------------------
+namespace conv_ps {
+constexpr int THREADS = 128;
+constexpr int BM = 64;  // rows (c, r, s) per block: 16 threads x 4 consecutive rows
+constexpr int BK = 8;   // output pixels per stage
+// Shared row strides == 4 (mod 32): the stores of a warp (8 pixels x 4 rows) hit 32 distinct
+// banks; multiples of 4 elements, so the multiply's vector reads stay aligned.
+constexpr int LDA = BM + 4;
+template <int BN> constexpr int LDB = BN + ((4 - BN) % 32 + 32) % 32;
+enum Mode { GRADS = 0, NORMS = 1, CLIPPED = 2 };
+
+// (n, p, q) of a flat pixel index n P Q + p Q + q, advanced by BK with one carry per digit (BK's
+// digits are below their radices), so a stage costs no division.
+struct Pixel {
+  long long n;
+  int p, q;
+  __device__ __forceinline__ void init(long long v, int P, int Q) {
+    q = static_cast<int>(v % Q);
+    v /= Q;
+    p = static_cast<int>(v % P);
+    n = v / P;
+  }
+  __device__ __forceinline__ void advance(int dn, int dp, int dq, int P, int Q) {
+    q += dq;
+    const int c0 = q >= Q;
+    q -= c0 ? Q : 0;
+    p += dp + c0;
+    const int c1 = p >= P;
+    p -= c1 ? P : 0;
+    n += dn + c1;
+  }
+};
+
+// acc += Xs^T Gs over one stage. Thread (tx, ty): rows 4 tx .. 4 tx + 3, columns ty * TN ...; a
+// warp is 8 tx x 4 ty, so one 16-byte read of Xs per pixel serves it in one wavefront.
+template <typename A, int BN>
+__device__ __forceinline__ void multiply(const A* __restrict__ Xs, const A* __restrict__ Gs, A (&acc)[4][BN / 8],
+                                         int tx, int ty) {
+  constexpr int TN = BN / 8;
+  constexpr int VB = TN < 4 ? TN : 4;
+#pragma unroll
+  for (int k = 0; k < BK; ++k) {
+    const Vec<A, 4> a = load_vec<A, 4>(Xs + k * LDA + 4 * tx);
+    A b[TN];
+#pragma unroll
+    for (int j = 0; j < TN; j += VB) {
+      const Vec<A, VB> v = load_vec<A, VB>(Gs + k * LDB<BN> + ty * TN + j);
+#pragma unroll
+      for (int u = 0; u < VB; ++u) b[j + u] = v.v[u];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] += a.v[i] * b[j];
+  }
+}
+}  // namespace conv_ps
+
+template <typename T, int BN, int MODE>
+__global__ void __launch_bounds__(conv_ps::THREADS)
+    conv_per_sample(const T* __restrict__ x, const T* __restrict__ g, const acc_t<T>* __restrict__ f,
+                    T* __restrict__ dw, T* __restrict__ db, acc_t<T>* __restrict__ part, acc_t<T>* __restrict__ partb,
+                    int B, int C, int H, int W, int K, int P, int Q, int R, int S, int sh, int sw, int ph, int pw,
+                    int dil_h, int dil_w, int groups, int per_split, int splits) {
+  using namespace conv_ps;
+  using A = acc_t<T>;
+  constexpr int TN = BN / 8;   // columns a thread multiplies
+  constexpr int NB = BN / 16;  // g values a thread stages per stage
+  constexpr int LB = LDB<BN>;
+  __shared__ __align__(32) A Xs[2][BK * LDA];
+  __shared__ __align__(32) A Gs[2][BK * LB];
+  __shared__ A red[32];
+
+  const int Cg = C / groups, Kg = K / groups, RS = R * S, CRS = Cg * RS;
+  const int row_tiles = (CRS + BM - 1) / BM;
+  const long long z = blockIdx.x / row_tiles;  // the sample (grads, norms) or split (clipped)
+  const int row_tile = static_cast<int>(blockIdx.x - z * row_tiles);
+  const int col_tiles = (Kg + BN - 1) / BN;
+  const int grp = blockIdx.y / col_tiles;
+  const int k_base = (blockIdx.y - grp * col_tiles) * BN;  // the tile's first column within the group
+  const long long HW = static_cast<long long>(H) * W, PQ = static_cast<long long>(P) * Q;
+  const long long CHW = C * HW, KPQ = K * PQ;
+  const long long wsz = static_cast<long long>(K) * CRS;  // one sample's dW
+  const int tid = threadIdx.x;
+  const int jl = tid & 7;   // the stage's pixel this thread loads
+  const int rl = tid >> 3;  // its rows and columns: rl + 16 i
+
+  long long x_off[4];
+  int x_rh[4], x_sw[4];
+  bool x_ok[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int crs = row_tile * BM + rl + 16 * i;
+    x_ok[i] = crs < CRS;
+    const int c = crs / RS, rs = crs - c * RS;
+    x_off[i] = (grp * Cg + c) * HW;
+    x_rh[i] = (rs / S) * dil_h;
+    x_sw[i] = (rs - (rs / S) * S) * dil_w;
+  }
+  long long g_off[NB];
+  bool g_ok[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const int k = k_base + rl + 16 * j;
+    g_ok[j] = k < Kg;
+    g_off[j] = static_cast<long long>(grp * Kg + k) * PQ;
+  }
+  const int st_n = static_cast<int>(BK / PQ), st_p = static_cast<int>((BK / Q) % P), st_q = BK % Q;
+  const int tx = (tid >> 5 & 1) * 8 + (tid & 7), ty = (tid >> 6) * 4 + (tid >> 3 & 3);
+
+  {
+    const long long n_begin = z * per_split;
+    const long long J = (min(static_cast<long long>(B), n_begin + per_split) - n_begin) * PQ;
+    long long jj = jl;
+    Pixel px;
+    px.init(n_begin * PQ + jl, P, Q);
+    A rx[4], rg[NB], dbs[NB];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) dbs[j] = A(0);
+    auto load = [&]() {
+      const bool jv = jj < J;
+      const long long xb = px.n * CHW;
+      const int bh = px.p * sh - ph, bw = px.q * sw - pw;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ih = bh + x_rh[i], iw = bw + x_sw[i];
+        const bool ok = jv && x_ok[i] && static_cast<unsigned>(ih) < static_cast<unsigned>(H) &&
+                        static_cast<unsigned>(iw) < static_cast<unsigned>(W);
+        rx[i] = ok ? to_acc<A>(x[xb + x_off[i] + static_cast<long long>(ih) * W + iw]) : A(0);
+      }
+      const long long gb = px.n * KPQ + static_cast<long long>(px.p) * Q + px.q;
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        A v = (jv && g_ok[j]) ? to_acc<A>(g[gb + g_off[j]]) : A(0);
+        if constexpr (MODE == CLIPPED) v *= f[jv ? px.n : 0];
+        rg[j] = v;
+        dbs[j] += v;
+      }
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) Xs[buf][jl * LDA + rl + 16 * i] = rx[i];
+#pragma unroll
+      for (int j = 0; j < NB; ++j) Gs[buf][jl * LB + rl + 16 * j] = rg[j];
+    };
+
+    A acc[4][TN];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = A(0);
+    const long long stages = (J + BK - 1) / BK;
+    if (stages > 0) {
+      load();
+      store(0);
+    }
+    __syncthreads();
+    for (long long t = 0; t < stages; ++t) {
+      const int buf = static_cast<int>(t & 1);
+      const bool more = t + 1 < stages;
+      if (more) {
+        jj += BK;
+        px.advance(st_n, st_p, st_q, P, Q);
+        load();
+      }
+      multiply<A, BN>(Xs[buf], Gs[buf], acc, tx, ty);
+      if (more) store(buf ^ 1);
+      __syncthreads();
+    }
+
+    // Epilogue: rows crs0 .. crs0 + 3, columns kk0 .. kk0 + TN - 1 of the tile (within the group).
+    const int crs0 = row_tile * BM + 4 * tx;
+    const int kk0 = k_base + ty * TN;
+    if constexpr (MODE == NORMS) {
+      A s = A(0);  // rows and columns past the edges hold exact zeros (their loads were zeros)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) s += acc[i][j] * acc[i][j];
+      s = block_sum(s, red);
+      if (tid == 0) part[(z * gridDim.y + blockIdx.y) * row_tiles + row_tile] = s;
+    } else {
+      // grads: the sample's dW in T; clipped: the split's sum in A. Both laid out as the weight.
+      const long long base = z * wsz + static_cast<long long>(grp * Kg) * CRS;
+      if ((CRS & 3) == 0 && crs0 + 3 < CRS) {  // 4 consecutive, 4-aligned elements: one vector store
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          if (kk0 + j >= Kg) continue;
+          const long long off = base + static_cast<long long>(kk0 + j) * CRS + crs0;
+          if constexpr (MODE == GRADS) {
+            Vec<T, 4> v;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v.v[i] = from_acc<T>(acc[i][j]);
+            store_vec<T, 4>(dw + off, v);
+          } else {
+            Vec<A, 4> v;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v.v[i] = acc[i][j];
+            store_vec<A, 4>(part + off, v);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (crs0 + i >= CRS) continue;
+#pragma unroll
+          for (int j = 0; j < TN; ++j) {
+            if (kk0 + j >= Kg) continue;
+            const long long off = base + static_cast<long long>(kk0 + j) * CRS + crs0 + i;
+            if constexpr (MODE == GRADS) {
+              dw[off] = from_acc<T>(acc[i][j]);
+            } else {
+              part[off] = acc[i][j];
+            }
+          }
+        }
+      }
+    }
+
+    // Bias: the blocks of the first row tile saw every (pixel, k) of the sample once. Each column's
+    // 8 staging threads are 8 consecutive lanes: a fixed shuffle tree adds their sums.
+    const bool want_b = MODE == GRADS ? db != nullptr : partb != nullptr;
+    if (want_b && row_tile == 0) {  // uniform over the block: every lane shuffles
+      A sq = A(0);
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        A s = dbs[j];
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        const int k = k_base + rl + 16 * j;
+        if (jl == 0 && k < Kg) {
+          const long long off = z * K + grp * Kg + k;
+          if constexpr (MODE == GRADS) {
+            db[off] = from_acc<T>(s);
+          } else if constexpr (MODE == CLIPPED) {
+            partb[off] = s;
+          } else {
+            sq += s * s;
+          }
+        }
+      }
+      if constexpr (MODE == NORMS) {
+        sq = block_sum(sq, red);
+        if (tid == 0) partb[z * gridDim.y + blockIdx.y] = sq;
+      }
+    }
+  }
+}
+
+// out[b] = sum over tiles of part[b, t] (b < B) and out[B + b] = sum of partb[b, t] (when partb
+// is given), each in tile order: conv_per_sample's norms per sample, weight then bias.
+template <typename A>
+__global__ void conv_norms_reduce(const A* __restrict__ part, const A* __restrict__ partb, A* __restrict__ out,
+                                  long long B, long long tiles, long long btiles) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool bias = i >= B;
+  if (i >= (partb != nullptr ? 2 * B : B)) return;
+  const A* src = bias ? partb + (i - B) * btiles : part + i * tiles;
+  const long long n = bias ? btiles : tiles;
+  A s = A(0);
+  for (long long t = 0; t < n; ++t) s += src[t];
+  out[i] = s;
 }

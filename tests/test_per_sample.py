@@ -125,6 +125,122 @@ def test_conv1d(kw: dict) -> None:
     check(m, x, torch.randn_like(m(x)))
 
 
+def test_cukit_conv2d_with_activation_same_padding_and_groups() -> None:
+    m = cnn.Conv2d(4, 6, 4, padding="same", groups=2, activation="silu", dtype=F64)
+    x = torch.randn(3, 4, 7, 6, dtype=F64)
+    check(m, x, torch.randn_like(m(x)))
+
+
+def test_conv_frozen_weight_bias_only() -> None:
+    m = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, dtype=F64), nn.Flatten(), nn.Linear(3 * 25, 2, dtype=F64))
+    m[0].weight.requires_grad_(False)
+    check(m, torch.randn(4, 2, 5, 5, dtype=F64), torch.randn(4, 2, dtype=F64))
+
+
+def test_conv_dp_step_matches_explicit_clipping() -> None:
+    """The clipped sum of a conv model (grouped route on the CPU) against clipping torch.func's grads."""
+    from cukit import dp
+
+    m = nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2, dtype=F64), nn.ReLU(),
+                      nn.Conv2d(4, 3, 2, dilation=2, dtype=F64),
+                      nn.Flatten(), nn.Linear(12, 2, dtype=F64))
+    x, y = torch.randn(5, 2, 7, 7, dtype=F64), torch.randn(5, 2, dtype=F64)
+    ref = vmap_grads(m, sum_sq, x, y)
+    norms = torch.sqrt(sum(v.flatten(1).square().sum(1) for v in ref.values()))
+    f = torch.clamp(0.5 / (norms + 1e-6), max=1.0)
+    dp.clip_and_accumulate(m, sum_sq, x, y, max_grad_norm=0.5)
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("i,i...->...", f, ref[k]), msg=k)
+
+
+CONV_SHAPES = [  # (ConvShape, B): groups, strides, dilations, asymmetric "same" pads, Conv1d, PQ = 1, wide K
+    (ops.ConvShape(3, 7, 6, 5, 7, 6, 3, 3, (1, 1), (1, 1), (1, 1), 1), 3),
+    (ops.ConvShape(4, 9, 8, 6, 9, 8, 4, 2, (1, 1), (3, 0), (2, 1), 2), 2),
+    (ops.ConvShape(3, 11, 7, 5, 6, 3, 3, 2, (2, 3), (2, 1), (1, 2), 1), 3),
+    (ops.ConvShape(2, 1, 13, 4, 1, 8, 1, 3, (1, 2), (0, 2), (1, 1), 2), 2),
+    (ops.ConvShape(8, 5, 5, 70, 3, 3, 3, 3, (1, 1), (0, 0), (1, 1), 1), 2),
+    (ops.ConvShape(1, 3, 3, 17, 1, 1, 3, 3, (1, 1), (0, 0), (1, 1), 1), 4),
+    (ops.ConvShape(6, 6, 6, 6, 2, 2, 3, 3, (3, 3), (1, 1), (1, 1), 6), 3),
+]
+
+
+def conv_oracle(x: torch.Tensor, g: torch.Tensor, s: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample conv grads by autograd, one sample at a time (float64)."""
+    import torch.nn.functional as F
+
+    w = torch.zeros(s.K, s.C // s.groups, s.R, s.S, dtype=F64, requires_grad=True)
+    b = torch.zeros(s.K, dtype=F64, requires_grad=True)
+    xp = F.pad(x.double(), (s.padding[1], s.Q * s.stride[1] + s.dilation[1] * s.S, s.padding[0],
+                            s.P * s.stride[0] + s.dilation[0] * s.R))  # generous bottom/right zeros, cropped below
+    dws, dbs = [], []
+    for i in range(x.shape[0]):
+        y = F.conv2d(xp[i:i + 1], w, b, s.stride, 0, s.dilation, s.groups)[:, :, :s.P, :s.Q]
+        dw, db = torch.autograd.grad((y * g[i:i + 1].double()).sum(), (w, b))
+        dws.append(dw)
+        dbs.append(db)
+    return torch.stack(dws), torch.stack(dbs)
+
+
+@pytest.mark.parametrize("case", range(len(CONV_SHAPES)))
+def test_conv_ops_routes(case: int) -> None:
+    s, B = CONV_SHAPES[case]
+    x, g = torch.randn(B, s.C, s.H, s.W, dtype=F64), torch.randn(B, s.K, s.P, s.Q, dtype=F64)
+    rw, rb = conv_oracle(x, g, s)
+    f = torch.rand(B, dtype=F64)
+    for route in (None, "grouped", "unfold"):
+        dw, db = ops.conv_grads(x, g, s, route=route)
+        torch.testing.assert_close(dw, rw)
+        torch.testing.assert_close(db, rb)
+        sw, sb = ops.conv_sq_norms(x, g, s, route=route)
+        torch.testing.assert_close(sw, rw.flatten(1).square().sum(1))
+        torch.testing.assert_close(sb, rb.square().sum(1))
+        ow, ob = torch.ones_like(rw[0]), torch.ones_like(rb[0])
+        ops.conv_clipped(x, g, s, f, ow, ob, route=route)
+        torch.testing.assert_close(ow, 1 + torch.einsum("i,i...->...", f, rw))
+        torch.testing.assert_close(ob, 1 + f @ rb)
+    dw, db = ops.conv_grads(x, g, s, bias=False)
+    assert db is None and ops.conv_sq_norms(x, g, s, bias=False)[1] is None
+    torch.testing.assert_close(ops.reference_conv_grads(x, g, s)[0], rw)
+    torch.testing.assert_close(ops.reference_conv_sq_norms(x, g, s)[0], rw.flatten(1).square().sum(1))
+
+
+def test_conv_route_rule() -> None:
+    def shape(C: int, K: int, hw: int, k: int = 3, groups: int = 1) -> Any:
+        return ops.ConvShape(C, hw, hw, K, hw, hw, k, k, (1, 1), (k // 2, k // 2), (1, 1), groups)
+
+    ops_ = ("grads", "norms", "clipped")
+    small, late, depthwise = shape(16, 32, 14), shape(512, 512, 7), shape(64, 64, 16, groups=64)
+    assert [ops.conv_route(op, small, 256, True) for op in ops_] == ["kernel"] * 3
+    assert ops.conv_route("norms", late, 256, True) == "unfold"  # 8 L^2 (M + N) < M N L, B M N L >= 2^30
+    assert ops.conv_route("norms", late, 4, True) == "kernel"  # too little work for the extra launches
+    assert [ops.conv_route(op, depthwise, 256, True) for op in ops_] == ["grouped"] * 3  # tiles 1/112 full
+    assert [ops.conv_route(op, small, 256, False) for op in ops_] == ["grouped"] * 3
+    assert ops.conv_route("norms", shape(64, 64, 4), 8, False) == "unfold"  # L^2 < M N
+    with pytest.raises(ValueError, match="op must be one of"):
+        ops.conv_route("sums", small, 8, True)
+
+
+def test_conv_ops_bad_inputs() -> None:
+    s = ops.ConvShape(4, 5, 5, 6, 5, 5, 3, 3, (1, 1), (1, 1), (1, 1), 2)
+    x, g = torch.randn(2, 4, 5, 5, dtype=F64), torch.randn(2, 6, 5, 5, dtype=F64)
+    with pytest.raises(ValueError, match=r"g \(B, 6, 5, 5\)"):
+        ops.conv_grads(x, g[:, :, :4], s)
+    with pytest.raises(TypeError, match="share dtype and device"):
+        ops.conv_grads(x, g.float(), s)
+    with pytest.raises(ValueError, match="route must be None or one of"):
+        ops.conv_sq_norms(x, g, s, route="im2col")
+    with pytest.raises(ValueError, match="route 'kernel' needs CUDA tensors"):
+        ops.conv_grads(x, g, s, route="kernel")
+    with pytest.raises(ValueError, match=r"groups \(4\) must divide"):
+        ops.conv_grads(x, g, ops.ConvShape(4, 5, 5, 6, 5, 5, 3, 3, (1, 1), (1, 1), (1, 1), 4))
+    with pytest.raises(TypeError, match="shape must be a ConvShape"):
+        ops.conv_grads(x, g, (4, 5, 5))
+    with pytest.raises(TypeError, match="factors must be a contiguous"):
+        ops.conv_clipped(x, g, s, torch.ones(3, dtype=F64), torch.zeros(6, 2, 3, 3, dtype=F64))
+    with pytest.raises(ValueError, match="out_w must be a floating tensor of 108 elements"):
+        ops.conv_clipped(x, g, s, torch.ones(2, dtype=F64), torch.zeros(6, 2, 3, dtype=F64))
+
+
 @pytest.mark.parametrize("padding_idx", [None, 1])
 def test_embedding(padding_idx: int | None) -> None:
     m = nn.Embedding(10, 5, padding_idx=padding_idx, dtype=F64)
@@ -529,16 +645,101 @@ def test_gpu_models_match_cpu_float64(dtype: Any, factory: Any) -> None:
     torch.testing.assert_close(n.double().cpu(), ref_n, rtol=tol, atol=tol)
 
 
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double().cpu()
+    return float((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+CONV_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(CONV_SHAPES)))
+def test_gpu_conv_ops(dtype: Any, case: int) -> None:
+    s, B = CONV_SHAPES[case]
+    x = torch.randn(B, s.C, s.H, s.W, device="cuda").to(dtype)
+    g = torch.randn(B, s.K, s.P, s.Q, device="cuda").to(dtype)
+    rw, rb = conv_oracle(x.cpu(), g.cpu(), s)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    f = torch.rand(B, device="cuda", dtype=acc)
+    for route in ("kernel", "grouped", "unfold"):
+        # cuDNN's float32 convolutions and 16-bit outputs round more than the kernel's fp32 sums
+        tol = CONV_TOL[dtype] if route == "kernel" or dtype == torch.float64 else max(CONV_TOL[dtype], 5e-3)
+        dw, db = ops.conv_grads(x, g, s, route=route)
+        assert dw.dtype == dtype and dw.shape == rw.shape
+        assert rel_err(dw, rw) < tol and rel_err(db, rb) < tol, route
+        sw, sb = ops.conv_sq_norms(x, g, s, route=route)
+        assert sw.dtype == acc
+        assert rel_err(sw, rw.flatten(1).square().sum(1)) < 2 * tol and rel_err(sb, rb.square().sum(1)) < 2 * tol, route
+        for out_dtype in (dtype, acc):
+            ow = torch.ones(rw.shape[1:], device="cuda", dtype=out_dtype)
+            ob = torch.ones(s.K, device="cuda", dtype=out_dtype)
+            ops.conv_clipped(x, g, s, f, ow, ob, route=route)
+            fc = f.double().cpu()
+            assert rel_err(ow - 1, torch.einsum("i,i...->...", fc, rw)) < 4 * tol + (1e-2 if out_dtype != acc else 0)
+            assert rel_err(ob - 1, fc @ rb) < 4 * tol + (1e-2 if out_dtype != acc else 0)
+    again = ops.conv_grads(x, g, s, route="kernel")
+    assert torch.equal(again[0], ops.conv_grads(x, g, s, route="kernel")[0])  # bitwise reproducible
+    assert torch.equal(ops.conv_sq_norms(x, g, s)[0], ops.conv_sq_norms(x, g, s)[0])
+    assert ops.conv_grads(x, g, s, bias=False, route="kernel")[1] is None
+    wt = torch.zeros(s.C // s.groups, s.K, s.R, s.S, device="cuda", dtype=dtype).transpose(0, 1)  # not contiguous
+    ops.conv_clipped(x, g, s, f, wt, None, route="kernel")
+    ref = torch.einsum("i,i...->...", f.double().cpu(), rw)
+    assert rel_err(wt, ref) < 4 * CONV_TOL[dtype] + (1e-2 if dtype in (torch.float16, torch.bfloat16) else 0)
+
+
+def conv_zoo(dtype: Any = F64) -> nn.Module:
+    """Every conv feature the kernel route reads: 'same', groups with stride and reflect padding,
+    dilation, more than 64 output channels, a Conv1d."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding="same", dtype=dtype), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=4, padding_mode="reflect", dtype=dtype), nn.ReLU(),
+        nn.Conv2d(8, 70, 2, dilation=2, dtype=dtype), nn.Flatten(2), nn.Conv1d(70, 4, 3, padding=1, dtype=dtype),
+        nn.Flatten(), nn.Linear(36, 10, dtype=dtype),
+    )
+
+
+@gpu
+@needs_cuda
+def test_gpu_conv_model_grads_norms_dp_match_cpu_float64() -> None:
+    from cukit import dp
+
+    m64 = conv_zoo()
+    x, y = torch.randn(6, 3, 9, 9, dtype=F64), torch.randint(0, 10, (6,))
+    ref = cukit.per_sample_grads(m64, ce_sum, x, y)
+    ref_n = cukit.per_sample_grad_norms(m64, ce_sum, x, y)
+    dp.clip_and_accumulate(m64, ce_sum, x, y, max_grad_norm=0.1)
+    ref_dp = {k: p.grad for k, p in m64.named_parameters()}
+    m = conv_zoo(torch.float32).cuda()
+    m.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    xc, yc = x.float().cuda(), y.cuda()
+    got = cukit.per_sample_grads(m, ce_sum, xc, yc)
+    for k in ref:
+        assert rel_err(got[k], ref[k]) < 2e-3, k  # torch's own convolutions (the G's) use TF32 by default
+    assert rel_err(cukit.per_sample_grad_norms(m, ce_sum, xc, yc), ref_n) < 2e-3
+    dp.clip_and_accumulate(m, ce_sum, xc, yc, max_grad_norm=0.1)
+    for k, p in m.named_parameters():
+        assert rel_err(p.grad, ref_dp[k]) < 2e-3, k
+
+
 @gpu
 @needs_cuda
 def test_gpu_no_host_sync() -> None:
     m = mlp(torch.float32).cuda()
     x, y = torch.randn(64, 20, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
     cukit.per_sample_grad_norms(m, ce_sum, x, y)  # plans built, kernels compiled
+    c = cnn_model(torch.float32).cuda()
+    xc = torch.randn(8, 1, 8, 8, device="cuda")
+    for fn in (cukit.per_sample_grad_norms, cukit.per_sample_grads):
+        fn(c, ce_sum, xc, y[:8])  # plans built, kernels compiled
     torch.cuda.set_sync_debug_mode("error")
     try:
         cukit.per_sample_grad_norms(m, ce_sum, x, y)
         cukit.per_sample_grads(m, ce_sum, x, y)
+        cukit.per_sample_grad_norms(c, ce_sum, xc, y[:8])
+        cukit.per_sample_grads(c, ce_sum, xc, y[:8])
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

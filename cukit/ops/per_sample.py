@@ -14,6 +14,13 @@ output grads G_i (T, d_out) (T = 1 for 2-D inputs; per-sample grad = sum over T)
                      ||a_i||^2 ||g_i||^2 when T = 1; ||db_i||^2 = ||sum_t G_i[t]||^2
 - clipped sum:       sum_i f_i dW_i = (f ⊙ G)^T A: one GEMM after scaling G's rows (Book-Keeping)
 
+A Conv layer is the same Linear over patches: A_i = the (L, C/G kh kw) patches of sample i per group
+(L = output pixels), G_i its (L, K/G) output grads. ``conv_grads`` / ``conv_sq_norms`` /
+``conv_clipped`` take x and G as they are (NCHW) and pick a route per layer shape
+(:func:`conv_route`): an implicit GEMM that gathers the patches on the fly (``conv_per_sample`` in
+per_sample.cu), torch's convolution weight gradient with the batch folded into the groups, or the
+unfolded patches with the Gram identity.
+
 torch registration: none (these ops are called from ``cukit/per_sample.py`` inside an autograd
 backward pass; nothing differentiates through them).
 """
@@ -21,6 +28,7 @@ backward pass; nothing differentiates through them).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,14 +38,22 @@ from cukit._runtime import KernelModule, PlanCache
 from cukit.interop import DTYPES, current_stream
 
 __all__ = [
+    "CONV_ROUTES",
     "FLOAT_DTYPES",
     "KERNELS",
+    "ConvShape",
     "clip_factors",
+    "conv_clipped",
+    "conv_grads",
+    "conv_route",
+    "conv_sq_norms",
     "embedding_grads",
     "embedding_sq_norms",
     "linear_grads",
     "linear_sq_norms",
     "reference_clip_factors",
+    "reference_conv_grads",
+    "reference_conv_sq_norms",
     "reference_embedding_grads",
     "reference_embedding_sq_norms",
     "reference_linear_grads",
@@ -53,6 +69,8 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_CONV_MODES = {"grads": 0, "norms": 1, "clipped": 2}  # conv_per_sample's MODE
+_CONV_BN = (16, 32, 64)  # its column tiles (output channels per block), instantiated
 CLIP_EPS = 1e-6  # clip factor min(1, C / (norm + CLIP_EPS)), as Opacus and Abadi et al.
 
 
@@ -71,6 +89,10 @@ def _instantiations() -> dict[str, list[str]]:
             exprs.append(f"weighted_sum_partial<{t}, {v}>")
         exprs += [f"weighted_sum_reduce<{a}, {o}>" for o in outs if o != a]
         groups[name] = exprs
+        # per-sample conv: one group per (dtype, mode), so a model compiles only what it calls
+        for mode, m in _CONV_MODES.items():
+            groups[f"conv_{mode}_{name}"] = [f"conv_per_sample<{t}, {bn}, {m}>" for bn in _CONV_BN]
+        groups[f"conv_norms_{name}"].append(f"conv_norms_reduce<{a}>")
     # the accumulation types' kernels, used by every dtype: a shared group (compiled with the file)
     groups["reduce"] = [f"{k}<{a}>" for a in ("float", "double") for k in ("row_sum_reduce", "clip_factors")]
     groups["reduce"] += [f"weighted_sum_reduce<{a}, {a}>" for a in ("float", "double")]
@@ -88,6 +110,8 @@ KERNELS = KernelModule(
         "scale_rows": "ptr ptr ptr i64 i64",
         "weighted_sum_partial": "ptr ptr ptr i64 i64 i64",
         "weighted_sum_reduce": "ptr ptr i32 i64 i64",
+        "conv_per_sample": "ptr ptr ptr ptr ptr ptr ptr" + " i32" * 18,
+        "conv_norms_reduce": "ptr ptr ptr i64 i64 i64",
     },
 )
 
@@ -630,3 +654,420 @@ def reference_embedding_sq_norms(idx: Any, g: Any, padding_idx: int | None = Non
         g3 = g3 * (idx2 != padding_idx).unsqueeze(-1).to(acc)
     same = (idx2.unsqueeze(2) == idx2.unsqueeze(1)).to(acc)
     return ((g3 @ g3.transpose(1, 2)) * same).sum((1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv (Conv1d as H = R = P = 1, Conv2d): per-sample grads, ghost norms, clipped sums
+# ---------------------------------------------------------------------------------------------
+
+CONV_ROUTES = ("kernel", "grouped", "unfold")
+_CONV_BM = 64  # conv_per_sample's rows (c, r, s) per block
+_CONV_THREADS = 128
+_CONV_BLOCKS_PER_SM = 4  # the clipped route's split target: about one wave of resident blocks
+_INT32_LIMIT = 2**31 - 2**12
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """A convolution as the per-sample conv ops see it (NCHW): x (B, C, H, W) after any non-zero
+    padding mode was applied, G = dL/dy (B, K, P, Q), kernel R x S, stride, the top and left zero
+    pads (the bottom and right ones are implicit in P and Q), dilation, groups. A Conv1d is H = R =
+    P = 1. Hashable: it keys the launch plans."""
+
+    C: int
+    H: int
+    W: int
+    K: int
+    P: int
+    Q: int
+    R: int
+    S: int
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+
+    @property
+    def patch(self) -> int:
+        """N = C/G * R * S: one output channel's weights, one patch's length."""
+        return self.C // self.groups * self.R * self.S
+
+    @property
+    def out_per_group(self) -> int:
+        """M = K/G."""
+        return self.K // self.groups
+
+    @property
+    def pixels(self) -> int:
+        """L = P * Q, the output pixels a sample's gradient sums over."""
+        return self.P * self.Q
+
+    def reach(self) -> tuple[int, int]:
+        """The input rows and columns the windows reach from the top/left pad: (P - 1) sh + dh (R - 1) + 1, ..."""
+        (sh, sw), (dh, dw) = self.stride, self.dilation
+        return (self.P - 1) * sh + dh * (self.R - 1) + 1, (self.Q - 1) * sw + dw * (self.S - 1) + 1
+
+
+def conv_route(op: str, shape: ConvShape, batch: int, cuda: bool) -> str:
+    """The one rule: how a conv layer's per-sample quantity is computed, for op "grads", "norms"
+    or "clipped" (the sum of f_i-weighted per-sample grads) over `batch` samples. With M = K/G,
+    N = C/G R S, L = P Q per group:
+
+    - "kernel" (CUDA only): ``conv_per_sample``, an implicit GEMM per sample and group, M N L FMAs,
+      the patches gathered on the fly, one launch (norms and clipped sums: plus a fixed-order
+      reduction); norms reduce each tile of dW_i to a sum of squares as it is made, so they hold
+      O(B) numbers whatever the layer. The CUDA choice unless one of the two rules below applies.
+    - "grouped": torch's convolution weight gradient (cuDNN, oneDNN) with the batch folded into
+      the groups (x as (1, B C, H, W), G as (1, B K, P, Q), B G groups). On CUDA where the
+      kernel's 64 x 16 tile would be less than 1/16 full (M N < 64 at M <= 16: depthwise and
+      similar), which cuDNN's grouped kernels serve better; on the CPU for grads and clipped sums
+      (there without the fold: the batch sum is the plain weight gradient of f ⊙ G), and for norms
+      where the Gram route is not cheaper.
+    - "unfold" for norms: the patches materialised (B L N numbers, one strided copy) and
+      ||dW_i||^2 = <A_i A_i^T, G_i G_i^T> (Gram matrices, L^2 (M + N) FMAs per sample). On CUDA
+      where that is under 1/8 of M N L and the kernel's B M N L FMAs (at least 2^30) outweigh the
+      route's extra launches (late layers of wide networks: few pixels, many channels); on the
+      CPU wherever L^2 < M N (:func:`use_gram`).
+
+    See also: Rochette et al. 2019 (per-example conv gradients by grouped convolutions); Opacus'
+    ``unfold2d`` grad sampler; Li et al. 2022 (ghost clipping for conv layers).
+    """
+    if op not in _CONV_MODES:
+        raise ValueError(f"cukit.ops.per_sample.conv_route: op must be one of {tuple(_CONV_MODES)}; got {op!r}")
+    M, N, L = shape.out_per_group, shape.patch, shape.pixels
+    if not cuda:
+        return "unfold" if op == "norms" and use_gram(L, N, M) else "grouped"
+    if op == "norms" and 8 * L * L * (M + N) < M * N * L and batch * M * N * L >= 1 << 30:
+        return "unfold"
+    fill = M * N / (_conv_bn(M) * _CONV_BM)  # of the kernel's first tile
+    if fill < 1 / 16:
+        return "grouped"
+    return "kernel"
+
+
+_FN = {"grads": "conv_grads", "norms": "conv_sq_norms", "clipped": "conv_clipped"}
+
+
+def _conv_check(mode: str, x: Any, g: Any, shape: ConvShape, route: str | None) -> str:
+    """Validate x, G against shape (once per signature on CUDA); return the route."""
+    fn = _FN[mode]
+    if not isinstance(shape, ConvShape):
+        raise TypeError(f"cukit.ops.per_sample.{fn}: shape must be a ConvShape; got {type(shape).__qualname__}")
+    _check(fn, "x", x, ndim=4)
+    _check(fn, "g", g, ndim=4)
+    if g.dtype != x.dtype or g.device != x.device:
+        raise TypeError(f"cukit.ops.per_sample.{fn}: x and g must share dtype and device; got {x.dtype} on "
+                        f"{x.device} and {g.dtype} on {g.device}")
+    s = shape
+    B = x.shape[0]
+    if s.groups < 1 or s.C % s.groups or s.K % s.groups:
+        raise ValueError(f"cukit.ops.per_sample.{fn}: groups ({s.groups}) must divide C ({s.C}) and K ({s.K})")
+    if min(s.C, s.H, s.W, s.K, s.P, s.Q, s.R, s.S, *s.stride, *s.dilation) < 1 or min(s.padding) < 0:
+        raise ValueError(f"cukit.ops.per_sample.{fn}: sizes, strides and dilations must be positive and pads "
+                         f"non-negative; got {s}")
+    if tuple(x.shape) != (B, s.C, s.H, s.W) or tuple(g.shape) != (B, s.K, s.P, s.Q):
+        raise ValueError(f"cukit.ops.per_sample.{fn}: x must have shape (B, {s.C}, {s.H}, {s.W}) and g (B, {s.K}, "
+                         f"{s.P}, {s.Q}); got {tuple(x.shape)} and {tuple(g.shape)}")
+    route = route if route is not None else conv_route(mode, s, B, x.is_cuda)
+    if route not in CONV_ROUTES:
+        raise ValueError(f"cukit.ops.per_sample.{fn}: route must be None or one of {CONV_ROUTES}; got {route!r}")
+    if route == "kernel" and not x.is_cuda:
+        raise ValueError(f"cukit.ops.per_sample.{fn}: route 'kernel' needs CUDA tensors")
+    return route
+
+
+def conv_grads(x: Any, g: Any, shape: ConvShape, *, bias: bool = True, route: str | None = None) -> tuple[Any, Any]:
+    """Per-sample Conv weight and bias grads: ``dW_i[k, (c, r, s)] = sum_l G_i[k, l] A_i[(c, r, s), l]``
+    -> (B, K, C/G, R, S), ``db_i[k] = sum_l G_i[k, l]`` -> (B, K) (None when bias is False).
+
+    x: (B, C, H, W) input as the layer saw it after any non-zero padding mode (zero pads are given
+    by shape); g: (B, K, P, Q) output grads; one dtype (float16, bfloat16, float32, float64), made
+    contiguous. shape: a :class:`ConvShape`. route: None (:func:`conv_route` decides) or one of
+    CONV_ROUTES. Results in x's dtype (fp32 accumulation; fp64 for float64). On CUDA the kernel
+    route is one launch, no sync, bitwise reproducible.
+
+    See also: ``torch.func.vmap(torch.func.grad(...))``, ``torch.nn.grad.conv2d_weight`` (which
+    sums over the batch), Opacus' conv grad sampler.
+    """
+    if x.is_cuda and route in (None, "kernel"):
+        return _conv_kernel("grads", x, g, shape, bias, route)
+    return _conv_torch("grads", _conv_check("grads", x, g, shape, route), x, g, shape, bias)
+
+
+def conv_sq_norms(x: Any, g: Any, shape: ConvShape, *, bias: bool = True, route: str | None = None
+                  ) -> tuple[Any, Any]:
+    """Squared norms of the per-sample Conv grads, ``(||dW_i||_F^2, ||db_i||^2)``, each (B,) in
+    the accumulation type (None for the bias when bias is False), without storing dW_i on the
+    kernel route (tiles of dW_i reduced to sums of squares as they are made) and by
+    ``<A_i A_i^T, G_i G_i^T>`` on the unfold route. Arguments as :func:`conv_grads`.
+
+    See also: ``cukit.ops.per_sample.linear_sq_norms``, Opacus' ghost clipping.
+    """
+    if x.is_cuda and route in (None, "kernel"):
+        return _conv_kernel("norms", x, g, shape, bias, route)
+    return _conv_torch("norms", _conv_check("norms", x, g, shape, route), x, g, shape, bias)
+
+
+def conv_clipped(x: Any, g: Any, shape: ConvShape, factors: Any, out_w: Any, out_b: Any = None, *,
+                 route: str | None = None) -> None:
+    """``out_w += sum_i f_i dW_i`` and ``out_b += sum_i f_i db_i`` (when out_b is given): the
+    clipped sum of a DP step, without per-sample grads (the batch's weight gradient of f ⊙ G).
+
+    factors: (B,) in x's accumulation type; out_w: (K, C/G, R, S) or any shape of K C/G R S
+    elements (p.grad), out_b: (K,); of x's dtype or its accumulation type. Other arguments as
+    :func:`conv_grads`; routes "grouped" and "unfold" both take torch's convolution weight
+    gradient. On CUDA (kernel route) two or three launches: split partial sums, then fixed-order
+    reductions into out (bitwise reproducible), no sync.
+
+    See also: Bu et al. 2023 (Book-Keeping), ``torch.nn.grad.conv2d_weight``.
+    """
+    if x.is_cuda and route in (None, "kernel"):
+        _conv_kernel("clipped", x, g, shape, out_b is not None, route, factors, out_w, out_b)
+        return
+    _conv_torch("clipped", _conv_check("clipped", x, g, shape, route), x, g, shape, out_b is not None, factors,
+                out_w, out_b)
+
+
+def _conv_torch(mode: str, route: str, x: Any, g: Any, s: ConvShape, bias: bool, factors: Any = None,
+                out_w: Any = None, out_b: Any = None) -> Any:
+    """The grouped and unfold routes (any device)."""
+    if mode == "grads":
+        return _grouped_grads(x, g, s, bias) if route == "grouped" else reference_conv_grads(x, g, s, bias=bias)
+    if mode == "norms":
+        return _conv_norms_torch(x, g, s, bias, route)
+    _check_factors("conv_clipped", x, factors)
+    _check_out("conv_clipped", x, s, out_w, out_b)
+    dw, db = _batch_weight_grad(x, scale_rows(g, factors), s, bias)
+    out_w.add_(dw.reshape(out_w.shape).to(out_w.dtype))
+    if bias:
+        out_b.add_(db.to(out_b.dtype))
+    return None
+
+
+def _check_out(fn: str, x: Any, s: ConvShape, out_w: Any, out_b: Any) -> None:
+    for name, o, n in (("out_w", out_w, s.K * s.patch), ("out_b", out_b, s.K)):
+        if o is not None and (o.numel() != n or o.device != x.device or not o.is_floating_point()):
+            raise ValueError(f"cukit.ops.per_sample.{fn}: {name} must be a floating tensor of {n} elements on "
+                             f"{x.device}; got {o.dtype} of shape {tuple(o.shape)} on {o.device}")
+
+
+# -- the torch routes (any device) -----------------------------------------------------------
+
+
+def _zero_padded(x: Any, s: ConvShape, symmetric: bool) -> tuple[Any, tuple[int, int]]:
+    """x with the zero pads the windows need made explicit where a torch op cannot take them:
+    (x, padding) for torch's ops, which pad top = bottom and left = right. symmetric: keep the
+    pads as an argument when top = bottom, left = right reproduces (P, Q)."""
+    import torch.nn.functional as F
+
+    (ph, pw), (sh, sw) = s.padding, s.stride
+    rh, rw = s.reach()
+    if symmetric and (s.H + 2 * ph - rh) // sh == s.P - 1 and (s.W + 2 * pw - rw) // sw == s.Q - 1:
+        return x, (ph, pw)
+    if ph == pw == 0 and rh <= s.H and rw <= s.W:
+        return x, (0, 0)
+    return F.pad(x, (pw, max(0, rw - s.W - pw), ph, max(0, rh - s.H - ph))), (0, 0)
+
+
+def _grouped_grads(x: Any, g: Any, s: ConvShape, bias: bool) -> tuple[Any, Any]:
+    """Per-sample grads as ONE weight gradient of a convolution with the batch folded into its
+    groups (sample i's channels form groups i G .. i G + G - 1)."""
+    import torch
+
+    B = x.shape[0]
+    if B == 0:
+        return x.new_zeros((0, s.K, s.C // s.groups, s.R, s.S)), (x.new_zeros((0, s.K)) if bias else None)
+    xp, pad = _zero_padded(x, s, symmetric=True)
+    xg = xp.reshape(1, B * s.C, xp.shape[2], xp.shape[3])
+    gg = g.reshape(1, B * s.K, s.P, s.Q)
+    w = g.new_empty(1).expand(B * s.K, s.C // s.groups, s.R, s.S)
+    _, dw, db = torch.ops.aten.convolution_backward(gg, xg, w, [B * s.K] if bias else None, list(s.stride), list(pad),
+                                                    list(s.dilation), False, [0, 0], B * s.groups, [False, True, bias])
+    return dw.view(B, s.K, s.C // s.groups, s.R, s.S), (db.view(B, s.K) if bias else None)
+
+
+def _batch_weight_grad(x: Any, g: Any, s: ConvShape, bias: bool) -> tuple[Any, Any]:
+    """The ordinary (batch-summed) weight and bias gradient of the convolution."""
+    import torch
+
+    xp, pad = _zero_padded(x, s, symmetric=True)
+    w = g.new_empty(1).expand(s.K, s.C // s.groups, s.R, s.S)
+    _, dw, db = torch.ops.aten.convolution_backward(g, xp, w, [s.K] if bias else None, list(s.stride), list(pad),
+                                                    list(s.dilation), False, [0, 0], s.groups, [False, True, bias])
+    return dw, db
+
+
+def _patches(x: Any, s: ConvShape) -> Any:
+    """The patches (B, G, N, L) in x's dtype (B L C R S numbers: the unfold route), F.unfold's
+    layout. One strided copy: CUDA's F.unfold launches a kernel per sample."""
+    xp, _ = _zero_padded(x, s, symmetric=False)
+    xp = xp.contiguous()
+    B, C, Hp, Wp = xp.shape
+    (sh, sw), (dh, dw) = s.stride, s.dilation
+    windows = xp.as_strided((B, C, s.R, s.S, s.P, s.Q), (C * Hp * Wp, Hp * Wp, dh * Wp, dw, sh * Wp, sw))
+    return windows.reshape(B, s.groups, s.patch, s.pixels)
+
+
+def _bias_sq_norms(g: Any) -> Any:
+    return row_sq_norms(g.sum((2, 3), dtype=_acc(g)))
+
+
+def _conv_norms_torch(x: Any, g: Any, s: ConvShape, bias: bool, route: str) -> tuple[Any, Any]:
+    """conv_sq_norms by the unfold (Gram) or grouped (materialised) route."""
+    B = x.shape[0]
+    if route == "grouped":
+        dw, db = _grouped_grads(x, g, s, bias)
+        return row_sq_norms(dw), (row_sq_norms(db) if bias else None)
+    p = _patches(x, s).reshape(B * s.groups, s.patch, s.pixels)
+    gt = g.reshape(B * s.groups, s.out_per_group, s.pixels)
+    sw = linear_sq_norms(p.transpose(1, 2), gt.transpose(1, 2), gram=True).view(B, s.groups).sum(1)
+    return sw, (_bias_sq_norms(g) if bias else None)
+
+
+def reference_conv_grads(x: Any, g: Any, shape: ConvShape, *, bias: bool = True) -> tuple[Any, Any]:
+    """torch per-sample conv grads over unfolded patches, in the accumulation type then cast."""
+    import torch
+
+    s = shape
+    acc = _acc(x)
+    B = x.shape[0]
+    p = _patches(x.to(acc), s)
+    gg = g.to(acc).reshape(B, s.groups, s.out_per_group, s.pixels)
+    dw = torch.einsum("bgkl,bgnl->bgkn", gg, p).reshape(B, s.K, s.C // s.groups, s.R, s.S).to(x.dtype)
+    return dw, (g.to(acc).sum((2, 3)).to(g.dtype) if bias else None)
+
+
+def reference_conv_sq_norms(x: Any, g: Any, shape: ConvShape, *, bias: bool = True) -> tuple[Any, Any]:
+    """torch squared norms of the per-sample conv grads, from :func:`reference_conv_grads` in
+    the accumulation type."""
+    s = shape
+    acc = _acc(x)
+    dw, db = reference_conv_grads(x.to(acc), g.to(acc), s, bias=bias)
+    return reference_row_sq_norms(dw), (reference_row_sq_norms(db) if bias else None)
+
+
+# -- the kernel route (CUDA) -----------------------------------------------------------------
+
+_CONV_PLANS = PlanCache("per_sample_conv", maxsize=1024)
+
+
+class _ConvPlan:
+    __slots__ = ("main", "out_b", "out_w", "reduce", "splits", "tiles")
+
+    def __init__(self, main: Any, reduce: Any, splits: int, tiles: tuple[int, int], out_w: Any = None,
+                 out_b: Any = None) -> None:
+        self.main, self.reduce, self.splits, self.tiles = main, reduce, splits, tiles
+        self.out_w, self.out_b = out_w, out_b  # the clipped route's reductions into p.grad
+
+
+def _conv_bn(m: int) -> int:
+    """conv_per_sample's column tile: the smallest instantiated one holding M = K/G columns."""
+    return next((bn for bn in _CONV_BN if m <= bn), _CONV_BN[-1])
+
+
+def _conv_kernel(mode: str, x: Any, g: Any, s: ConvShape, bias: bool, route: str | None, factors: Any = None,
+                 out_w: Any = None, out_b: Any = None) -> Any:
+    """conv_grads / conv_sq_norms / conv_clipped of CUDA tensors: a plan-cache lookup, then
+    conv_per_sample (or the route the plan names, for shapes the rule or the grid sends elsewhere)."""
+    x = x.contiguous()
+    g = g.contiguous()
+    key = ("conv", mode, s, route, x.shape, x.dtype, g.shape, g.dtype, x.device, bias,
+           None if out_w is None else (out_w.dtype, out_w.is_contiguous()),
+           None if out_b is None else (out_b.dtype, out_b.is_contiguous()))
+    plan = _CONV_PLANS.get(key)
+    if plan is None:
+        plan = _conv_plan(mode, x, g, s, bias, route, factors, out_w, out_b, key)
+    if type(plan) is str:  # the rule's or the grid's other route
+        return _conv_torch(mode, plan, x, g, s, bias, factors, out_w, out_b)
+    B = x.shape[0]
+    acc = _acc(x)
+    if mode == "grads":
+        dw = g.new_empty((B, s.K, s.C // s.groups, s.R, s.S))
+        db = g.new_empty((B, s.K)) if bias else None
+        if plan is _EMPTY:
+            return dw.zero_(), (None if db is None else db.zero_())
+        plan.main((x.data_ptr(), g.data_ptr(), 0, dw.data_ptr(), 0 if db is None else db.data_ptr(), 0, 0),
+                  current_stream(x.get_device(), True))
+        return dw, db
+    if mode == "norms":
+        out = g.new_empty((2 if bias else 1, B), dtype=acc)
+        if plan is _EMPTY:
+            out.zero_()
+        else:
+            stream = current_stream(x.get_device(), True)
+            part = g.new_empty((B, plan.tiles[0]), dtype=acc)
+            pb = g.new_empty((B, plan.tiles[1]), dtype=acc).data_ptr() if bias else 0
+            plan.main((x.data_ptr(), g.data_ptr(), 0, 0, 0, part.data_ptr(), pb), stream)
+            plan.reduce((part.data_ptr(), pb, out.data_ptr()), stream)
+        return out[0], (out[1] if bias else None)
+    if plan is _EMPTY:
+        return None
+    stream = current_stream(x.get_device(), True)
+    part = g.new_empty((plan.splits, s.K * s.patch), dtype=acc)
+    partb = g.new_empty((plan.splits, s.K), dtype=acc) if bias else None
+    pb = 0 if partb is None else partb.data_ptr()
+    plan.main((x.data_ptr(), g.data_ptr(), factors.data_ptr(), 0, 0, part.data_ptr(), pb), stream)
+    if plan.out_w is not None:
+        plan.out_w((part.data_ptr(), out_w.data_ptr(), np.int32(1)), stream)
+    else:  # a p.grad of another dtype or layout
+        out_w.add_(part.sum(0).view(out_w.shape).to(out_w.dtype))
+    if partb is not None:
+        if plan.out_b is not None:
+            plan.out_b((pb, out_b.data_ptr(), np.int32(1)), stream)
+        else:
+            out_b.add_(partb.sum(0).to(out_b.dtype))
+    return None
+
+
+def _conv_plan(mode: str, x: Any, g: Any, s: ConvShape, bias: bool, route: str | None, factors: Any, out_w: Any,
+               out_b: Any, key: tuple) -> Any:
+    """Validate a CUDA call's arguments and build its plan: a _ConvPlan, _EMPTY (nothing to
+    launch) or the name of the torch route to take (the rule's choice, or "grouped" for sizes
+    beyond the kernel's 32-bit grid and index limits)."""
+    route = _conv_check(mode, x, g, s, route)
+    if mode == "clipped":
+        _check_factors("conv_clipped", x, factors)
+        _check_out("conv_clipped", x, s, out_w, out_b)
+    if route != "kernel":
+        return _CONV_PLANS.put(key, route)
+    B = x.shape[0]
+    if B == 0:
+        return _CONV_PLANS.put(key, _EMPTY)
+    M, N = s.out_per_group, s.patch
+    bn = _conv_bn(M)
+    row_tiles = -(-N // _CONV_BM)
+    col_blocks = -(-M // bn) * s.groups
+    device = x.get_device()
+    if mode == "clipped":  # about one wave of blocks: splits of the batch, each summed in registers
+        want = -(-sm_count(device) * _CONV_BLOCKS_PER_SM // (row_tiles * col_blocks))
+        per_split = -(-B // max(1, min(B, want)))
+        splits = -(-B // per_split)
+    else:
+        per_split, splits = 1, B
+    sizes = (s.C, s.H, s.W, s.K, s.P, s.Q, N, row_tiles * splits, s.H + s.padding[0], s.W + s.padding[1])
+    if col_blocks > _GRID_Y_MAX or max(sizes) > _INT32_LIMIT:
+        return _CONV_PLANS.put(key, "grouped")
+    main = KERNELS.prepare(
+        f"conv_per_sample<{_ctype(x)}, {bn}, {_CONV_MODES[mode]}>", (row_tiles * splits, col_blocks), (_CONV_THREADS,),
+        (B, s.C, s.H, s.W, s.K, s.P, s.Q, s.R, s.S, *s.stride, *s.padding, *s.dilation, s.groups, per_split, splits),
+        device=device,
+    )
+    tiles = (row_tiles * col_blocks, col_blocks)  # norms' partial sums per sample: weight, bias
+    if mode == "grads":
+        return _CONV_PLANS.put(key, _ConvPlan(main, None, splits, tiles))
+    a = _acc_ctype(x)
+    if mode == "norms":
+        n_out = 2 * B if bias else B
+        reduce = KERNELS.prepare(f"conv_norms_reduce<{a}>", (-(-n_out // _BLOCK),), (_BLOCK,), (B, *tiles),
+                                 device=device)
+        return _CONV_PLANS.put(key, _ConvPlan(main, reduce, splits, tiles))
+    target = sm_count(device) * (2048 // _BLOCK)
+    reductions = []
+    for o, n in ((out_w, s.K * N), (out_b, s.K)):
+        r = None
+        if o is not None and o.is_contiguous() and o.dtype in (x.dtype, _acc(x)):
+            oc = _ctype(x) if o.dtype == x.dtype else a
+            r = KERNELS.prepare(f"weighted_sum_reduce<{a}, {oc}>", (max(1, min(-(-n // _BLOCK), target)),), (_BLOCK,),
+                                (splits, n), device=device, n_head=3)
+        reductions.append(r)
+    return _CONV_PLANS.put(key, _ConvPlan(main, None, splits, tiles, *reductions))
