@@ -153,6 +153,9 @@ class LinearKind(Kind):
 
     def sq_norms(self, c: Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
         a, g = self._ag(c, g)
+        if a.ndim == 2 and "weight" in c.params and "bias" in c.params:
+            gn = ops.row_sq_norms(g)  # ||g_i||^2 is both the bias's norm and a factor of the weight's
+            return {"weight": ops.row_sq_norms(a) * gn, "bias": gn}
         out = {}
         if "weight" in c.params:
             out["weight"] = ops.linear_sq_norms(a, g)
@@ -681,7 +684,6 @@ def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bo
     """Squared per-sample gradient norms summed over all parameters (B,) (ghost norms wherever a
     parameter has one use; a parameter used by several calls or modules is materialised, since
     the norm of a sum is not the sum of norms). per_parameter: a dict id(param) -> (B,) instead."""
-    total = torch.zeros(B, device=device, dtype=dtype)
     per: dict[int, torch.Tensor] = {}
     multi: set[int] = {pid for pid, uses in _param_calls(cap).items() if len(uses) > 1}
     shared: dict[int, torch.Tensor] = {}
@@ -703,9 +705,10 @@ def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bo
         per[pid] = ops.row_sq_norms(v).to(dtype)
     if per_parameter:
         return per
-    for s in per.values():
-        total = total + s
-    return total
+    if not per:
+        return torch.zeros(B, device=device, dtype=dtype)
+    # one stacked sum, not a launch per parameter: the call is host-bound at small batches
+    return torch.stack(list(per.values())).sum(0)
 
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, *,
@@ -727,7 +730,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Any, target
         per = sq_norms_of(cap, B, device, dtype, per_parameter=True)
         return {n: (per[id(p)] * scale * scale).sqrt() if id(p) in per else torch.zeros(B, device=device, dtype=dtype)
                 for n, p in model.named_parameters() if p.requires_grad}
-    return (sq_norms_of(cap, B, device, dtype) * (scale * scale)).sqrt()
+    sq = sq_norms_of(cap, B, device, dtype)
+    return (sq if scale == 1.0 else sq * (scale * scale)).sqrt()
 
 
 def _norm_dtype(model: nn.Module) -> torch.dtype:
