@@ -17,7 +17,8 @@ error <= 2e-3 for the p = 4 roots; the "torch ns3" row against G^(-1/2)):
   n = 128 the fused kernel, which stops each matrix once it converged);
 - ``cukit newton gemm``: the same on batched GEMMs for every n (the fused kernel off: every step of
   every matrix runs; only where the fused kernel would run);
-- ``cukit newton tf32``: the same with ``precision="tf32"`` (tensor cores; validated to 3e-2 only);
+- ``cukit newton tf32``: the same with ``precision="tf32"`` (tensor cores; validated to 3e-2 only: its
+  residual is O(1) on these matrices, TF32's rounding amplified by the condition number);
 - ``cukit eigh``: ``method="eigh"`` (CuPy's batched solver, then a batched GEMM);
 - ``cukit auto``: ``method="auto"`` with its default iteration count;
 - ``torch newton``: the same algorithm in torch ops, ``torch.bmm`` (cuBLAS), N iterations;
