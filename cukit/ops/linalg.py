@@ -3,8 +3,9 @@ symmetric positive semi-definite matrices, integer matrix powers, ``eigh``, ``kr
 ``kron_matvec``, over any leading batch dimensions.
 
 Kernels: ``raw_kernels/linalg.cu`` (the Newton iteration fused into one block per matrix for
-matrices that fit in shared memory; for larger ones the O(n^2) work around batched GEMMs: scales,
-the Newton step's T and convergence state; the eigendecomposition route's column scaling; kron).
+matrices that fit in shared memory; for larger ones the O(n^2) work around batched GEMMs, on row
+chunks so that a few large matrices fill the GPU: scales, the Newton step's T and convergence
+state; the eigendecomposition route's column scaling; kron).
 The GEMMs are cukit's own batched ones (``cukit.ops.matmul.gemm`` on (B, n, n) operands). NumPy
 inputs run the NumPy references below, torch CPU tensors the same references on their zero-copy
 NumPy views: they are the CPU fallbacks and the test oracles. Not differentiable (no torch layer):
