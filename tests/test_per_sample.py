@@ -211,9 +211,12 @@ def test_conv_route_rule() -> None:
     ops_ = ("grads", "norms", "clipped")
     small, late, depthwise = shape(16, 32, 14), shape(512, 512, 7), shape(64, 64, 16, groups=64)
     assert [ops.conv_route(op, small, 256, True) for op in ops_] == ["kernel"] * 3
-    assert ops.conv_route("norms", late, 256, True) == "unfold"  # 8 L^2 (M + N) < M N L, B M N L >= 2^30
+    assert ops.conv_route("norms", late, 256, True) == "unfold"  # 8 L^2 (M + N) < M N L, B M N L >= 2^31
     assert ops.conv_route("norms", late, 4, True) == "kernel"  # too little work for the extra launches
+    assert ops.conv_route("norms", shape(256, 256, 4), 128, True) == "kernel"
     assert [ops.conv_route(op, depthwise, 256, True) for op in ops_] == ["grouped"] * 3  # tiles 1/112 full
+    assert ops.conv_route("grads", depthwise, 8, True) == "kernel"
+    assert ops.conv_route("grads", shape(8, 8, 5, groups=4), 256, True) == "kernel"  # 1/28 full, little work
     assert [ops.conv_route(op, small, 256, False) for op in ops_] == ["grouped"] * 3
     assert ops.conv_route("norms", shape(64, 64, 4), 8, False) == "unfold"  # L^2 < M N
     with pytest.raises(ValueError, match="op must be one of"):

@@ -713,21 +713,25 @@ def conv_route(op: str, shape: ConvShape, batch: int, cuda: bool) -> str:
     or "clipped" (the sum of f_i-weighted per-sample grads) over `batch` samples. With M = K/G,
     N = C/G R S, L = P Q per group:
 
-    - "kernel" (CUDA only): ``conv_per_sample``, an implicit GEMM per sample and group, M N L FMAs,
-      the patches gathered on the fly, one launch (norms and clipped sums: plus a fixed-order
-      reduction); norms reduce each tile of dW_i to a sum of squares as it is made, so they hold
-      O(B) numbers whatever the layer. The CUDA choice unless one of the two rules below applies.
+    - "kernel" (CUDA only): ``conv_per_sample``, an implicit GEMM per sample and group, M N L FMAs
+      on tiles of 64 x (16, 32 or 64), the patches gathered on the fly, one launch (norms and
+      clipped sums: plus a fixed-order reduction); norms reduce each tile of dW_i to a sum of
+      squares as it is made, so they hold O(B) numbers whatever the layer. The CUDA choice unless
+      one of the two rules below applies.
     - "grouped": torch's convolution weight gradient (cuDNN, oneDNN) with the batch folded into
       the groups (x as (1, B C, H, W), G as (1, B K, P, Q), B G groups). On CUDA where the
-      kernel's 64 x 16 tile would be less than 1/16 full (M N < 64 at M <= 16: depthwise and
-      similar), which cuDNN's grouped kernels serve better; on the CPU for grads and clipped sums
-      (there without the fold: the batch sum is the plain weight gradient of f ⊙ G), and for norms
-      where the Gram route is not cheaper.
+      kernel's tiles would be under 1/16 full (M N small: depthwise and similar) and the padded
+      tiles' work B G L (tile area) reaches 2^30 FMAs, below which the kernel's one launch is
+      still cheaper than cuDNN's; on the CPU for grads and clipped sums (there without the fold:
+      the batch sum is the plain weight gradient of f ⊙ G), and for norms where the Gram route
+      is not cheaper.
     - "unfold" for norms: the patches materialised (B L N numbers, one strided copy) and
       ||dW_i||^2 = <A_i A_i^T, G_i G_i^T> (Gram matrices, L^2 (M + N) FMAs per sample). On CUDA
-      where that is under 1/8 of M N L and the kernel's B M N L FMAs (at least 2^30) outweigh the
-      route's extra launches (late layers of wide networks: few pixels, many channels); on the
-      CPU wherever L^2 < M N (:func:`use_gram`).
+      where that is under 1/8 of M N L and the kernel's B M N L FMAs reach 2^31 (late layers of
+      wide networks: few pixels, many channels; below that the route's extra launches cost more
+      than the FMAs it saves); on the CPU wherever L^2 < M N (:func:`use_gram`).
+
+    The CUDA thresholds were measured on an H100 (benchmarks/NOTES.md, issue 12).
 
     See also: Rochette et al. 2019 (per-example conv gradients by grouped convolutions); Opacus'
     ``unfold2d`` grad sampler; Li et al. 2022 (ghost clipping for conv layers).
@@ -737,10 +741,11 @@ def conv_route(op: str, shape: ConvShape, batch: int, cuda: bool) -> str:
     M, N, L = shape.out_per_group, shape.patch, shape.pixels
     if not cuda:
         return "unfold" if op == "norms" and use_gram(L, N, M) else "grouped"
-    if op == "norms" and 8 * L * L * (M + N) < M * N * L and batch * M * N * L >= 1 << 30:
+    if op == "norms" and 8 * L * L * (M + N) < M * N * L and batch * M * N * L >= 1 << 31:
         return "unfold"
-    fill = M * N / (_conv_bn(M) * _CONV_BM)  # of the kernel's first tile
-    if fill < 1 / 16:
+    bn = _conv_bn(M)
+    tiles = -(-M // bn) * bn * -(-N // _CONV_BM) * _CONV_BM  # the (M, N) the kernel computes, padded
+    if M * N / tiles < 1 / 16 and batch * shape.groups * L * tiles >= 1 << 30:
         return "grouped"
     return "kernel"
 
