@@ -28,78 +28,16 @@
 // registers while this one is multiplied). A thread owns 4 consecutive rows x BN/8 columns, so
 // the output pixels it stores are consecutive: 16-byte stores along a plane when P*Q % 4 == 0.
 #include <cukit/activations.cuh>
+#include <cukit/conv_tile.cuh>
 #include <cukit/dtypes.cuh>
 #include <cukit/vec.cuh>
 
 using namespace cukit;
+using namespace cukit::conv;
 
 // The 16-bit types use the activations' fast forms (activations.cuh): their error is far below
 // one rounding to 16 bits, as in bias_act.cu and the GEMM epilogue.
 template <typename T> constexpr bool kFast = sizeof(T) == 2;
-
-constexpr int THREADS = 128;
-constexpr int BM = 64;  // rows per block: 16 threads x 4 consecutive rows
-constexpr int BK = 8;   // reduction depth of one stage
-
-// Column-operand row stride BN + pad == 4 (mod 32): the stores of a warp (8 reduction rows x 4
-// columns) hit 32 distinct banks; and a multiple of 4 elements, so every 16-byte read is aligned.
-template <int BN> constexpr int kLdCols = BN + ((4 - BN) % 32 + 32) % 32;
-
-// ---------------------------------------------------------------------------------------------
-// Shared pieces
-// ---------------------------------------------------------------------------------------------
-
-// A 3-digit mixed-radix number (hi, mid, lo), radices (-, r1, r0), that advances by a fixed step:
-// the (c, r, s), (k, r, s) or (n, p, q) coordinates of a GEMM index that moves by BK per stage,
-// without a division per stage.
-struct Radix3 {
-  int hi, mid, lo;
-  __device__ __forceinline__ void init(long long v, int r1, int r0) {
-    lo = static_cast<int>(v % r0);
-    v /= r0;
-    mid = static_cast<int>(v % r1);
-    hi = static_cast<int>(v / r1);
-  }
-  // step = (dhi * r1 + dmid) * r0 + dlo with dmid < r1, dlo < r0: one carry per digit at most.
-  __device__ __forceinline__ void advance(int dhi, int dmid, int dlo, int r1, int r0) {
-    lo += dlo;
-    const int c0 = lo >= r0;
-    lo -= c0 ? r0 : 0;
-    mid += dmid + c0;
-    const int c1 = mid >= r1;
-    mid -= c1 ? r1 : 0;
-    hi += dhi + c1;
-  }
-};
-
-// The thread layout of the multiply: 4 warps of 8 (rows) x 4 (columns) threads, so one 16-byte
-// shared read per operand and k serves a warp in one wavefront. tx in [0, 16): rows 4 tx .. 4 tx + 3;
-// ty in [0, 8): columns ty * BN/8 ...
-__device__ __forceinline__ int tile_tx() { return (threadIdx.x >> 5 & 1) * 8 + (threadIdx.x & 7); }
-__device__ __forceinline__ int tile_ty() { return (threadIdx.x >> 6) * 4 + (threadIdx.x >> 3 & 3); }
-
-// acc += As^T Bs over one stage: As[k][LDA] holds the 64 rows, Bs[k][LDB] the BN columns.
-template <typename A, int BN, int LDA, int LDB>
-__device__ __forceinline__ void mma_stage(const A* __restrict__ As, const A* __restrict__ Bs, A (&acc)[4][BN / 8],
-                                          int tx, int ty) {
-  constexpr int TN = BN / 8;
-  constexpr int VB = TN < 4 ? TN : 4;  // columns per shared read (16 or 32 bytes, aligned)
-#pragma unroll
-  for (int k = 0; k < BK; ++k) {
-    const Vec<A, 4> a = load_vec<A, 4>(As + k * LDA + 4 * tx);
-    A b[TN];
-#pragma unroll
-    for (int j = 0; j < TN; j += VB) {
-      const Vec<A, VB> v = load_vec<A, VB>(Bs + k * LDB + ty * TN + j);
-#pragma unroll
-      for (int u = 0; u < VB; ++u) b[j + u] = v.v[u];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] += a.v[i] * b[j];
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // fprop and dgrad: out[n, col, oh, ow] = sum over kk of A[m, kk] B[kk, col], A gathered.
@@ -368,18 +306,8 @@ __global__ void __launch_bounds__(THREADS)
   const int jl = tid & 7;   // the stage's pixel this thread loads
   const int rl = tid >> 3;  // its rows (crs) and columns (k): rl + 16 i
 
-  long long x_off[4];
-  int x_rh[4], x_sw[4];
-  bool x_ok[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int crs = blockIdx.x * BM + rl + 16 * i;
-    x_ok[i] = crs < CRS;
-    const int c = crs / RS, rs = crs - c * RS;
-    x_off[i] = c * HW;
-    x_rh[i] = (rs / S) * dh;
-    x_sw[i] = (rs - (rs / S) * S) * dw;
-  }
+  PatchRows xr;  // the rows (c, r, s) this thread stages
+  xr.init(static_cast<int>(blockIdx.x) * BM + rl, CRS, RS, S, 0, HW, dh, dw);
   long long g_off[NB];
   bool g_ok[NB];
 #pragma unroll
@@ -400,14 +328,7 @@ __global__ void __launch_bounds__(THREADS)
   auto load = [&]() {
     const bool jv = jj < j_end;
     const long long xb = js.hi * CHW;
-    const int bh = js.mid * sh - ph, bw = js.lo * sw - pw;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int ih = bh + x_rh[i], iw = bw + x_sw[i];
-      const bool ok = jv && x_ok[i] && static_cast<unsigned>(ih) < static_cast<unsigned>(H) &&
-                      static_cast<unsigned>(iw) < static_cast<unsigned>(W);
-      rx[i] = ok ? to_acc<A>(x[xb + x_off[i] + static_cast<long long>(ih) * W + iw]) : A(0);
-    }
+    xr.load(rx, x, xb, js.mid * sh - ph, js.lo * sw - pw, H, W, jv);
     const long long gb = js.hi * KPQ + static_cast<long long>(js.mid) * Q + js.lo;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {

@@ -17,6 +17,7 @@
 // (fp32 for the 16-bit types). Every reduction has a fixed order for a given launch
 // configuration (warp shuffle trees, cukit/reduce.cuh, then splits in order): no atomics, the
 // results are bitwise reproducible.
+#include <cukit/conv_tile.cuh>
 #include <cukit/dtypes.cuh>
 #include <cukit/reduce.cuh>
 #include <cukit/vec.cuh>
@@ -247,60 +248,11 @@ __global__ void weighted_sum_reduce(const A* __restrict__ partial, O* __restrict
 // Every sum has a fixed order (no atomics): results are bitwise reproducible.
 // ---------------------------------------------------------------------------------------------
 namespace conv_ps {
-constexpr int THREADS = 128;
-constexpr int BM = 64;  // rows (c, r, s) per block: 16 threads x 4 consecutive rows
-constexpr int BK = 8;   // output pixels per stage
+using namespace cukit::conv;  // the tile: THREADS, BM, BK, kLdCols, Radix3, mma_stage, PatchRows
 // Shared row strides == 4 (mod 32): the stores of a warp (8 pixels x 4 rows) hit 32 distinct
 // banks; multiples of 4 elements, so the multiply's vector reads stay aligned.
 constexpr int LDA = BM + 4;
-template <int BN> constexpr int LDB = BN + ((4 - BN) % 32 + 32) % 32;
 enum Mode { GRADS = 0, NORMS = 1, CLIPPED = 2 };
-
-// (n, p, q) of a flat pixel index n P Q + p Q + q, advanced by BK with one carry per digit (BK's
-// digits are below their radices), so a stage costs no division.
-struct Pixel {
-  long long n;
-  int p, q;
-  __device__ __forceinline__ void init(long long v, int P, int Q) {
-    q = static_cast<int>(v % Q);
-    v /= Q;
-    p = static_cast<int>(v % P);
-    n = v / P;
-  }
-  __device__ __forceinline__ void advance(int dn, int dp, int dq, int P, int Q) {
-    q += dq;
-    const int c0 = q >= Q;
-    q -= c0 ? Q : 0;
-    p += dp + c0;
-    const int c1 = p >= P;
-    p -= c1 ? P : 0;
-    n += dn + c1;
-  }
-};
-
-// acc += Xs^T Gs over one stage. Thread (tx, ty): rows 4 tx .. 4 tx + 3, columns ty * TN ...; a
-// warp is 8 tx x 4 ty, so one 16-byte read of Xs per pixel serves it in one wavefront.
-template <typename A, int BN>
-__device__ __forceinline__ void multiply(const A* __restrict__ Xs, const A* __restrict__ Gs, A (&acc)[4][BN / 8],
-                                         int tx, int ty) {
-  constexpr int TN = BN / 8;
-  constexpr int VB = TN < 4 ? TN : 4;
-#pragma unroll
-  for (int k = 0; k < BK; ++k) {
-    const Vec<A, 4> a = load_vec<A, 4>(Xs + k * LDA + 4 * tx);
-    A b[TN];
-#pragma unroll
-    for (int j = 0; j < TN; j += VB) {
-      const Vec<A, VB> v = load_vec<A, VB>(Gs + k * LDB<BN> + ty * TN + j);
-#pragma unroll
-      for (int u = 0; u < VB; ++u) b[j + u] = v.v[u];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] += a.v[i] * b[j];
-  }
-}
 }  // namespace conv_ps
 
 template <typename T, int BN, int MODE>
@@ -313,7 +265,7 @@ __global__ void __launch_bounds__(conv_ps::THREADS)
   using A = acc_t<T>;
   constexpr int TN = BN / 8;   // columns a thread multiplies
   constexpr int NB = BN / 16;  // g values a thread stages per stage
-  constexpr int LB = LDB<BN>;
+  constexpr int LB = kLdCols<BN>;
   __shared__ __align__(32) A Xs[2][BK * LDA];
   __shared__ __align__(32) A Gs[2][BK * LB];
   __shared__ A red[32];
@@ -332,18 +284,8 @@ __global__ void __launch_bounds__(conv_ps::THREADS)
   const int jl = tid & 7;   // the stage's pixel this thread loads
   const int rl = tid >> 3;  // its rows and columns: rl + 16 i
 
-  long long x_off[4];
-  int x_rh[4], x_sw[4];
-  bool x_ok[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int crs = row_tile * BM + rl + 16 * i;
-    x_ok[i] = crs < CRS;
-    const int c = crs / RS, rs = crs - c * RS;
-    x_off[i] = (grp * Cg + c) * HW;
-    x_rh[i] = (rs / S) * dil_h;
-    x_sw[i] = (rs - (rs / S) * S) * dil_w;
-  }
+  PatchRows xr;  // the rows (c, r, s) of group grp this thread stages
+  xr.init(row_tile * BM + rl, CRS, RS, S, grp * Cg, HW, dil_h, dil_w);
   long long g_off[NB];
   bool g_ok[NB];
 #pragma unroll
@@ -353,33 +295,25 @@ __global__ void __launch_bounds__(conv_ps::THREADS)
     g_off[j] = static_cast<long long>(grp * Kg + k) * PQ;
   }
   const int st_n = static_cast<int>(BK / PQ), st_p = static_cast<int>((BK / Q) % P), st_q = BK % Q;
-  const int tx = (tid >> 5 & 1) * 8 + (tid & 7), ty = (tid >> 6) * 4 + (tid >> 3 & 3);
+  const int tx = tile_tx(), ty = tile_ty();
 
   {
     const long long n_begin = z * per_split;
     const long long J = (min(static_cast<long long>(B), n_begin + per_split) - n_begin) * PQ;
     long long jj = jl;
-    Pixel px;
+    Radix3 px;  // (n, p, q) of the pixel this thread stages
     px.init(n_begin * PQ + jl, P, Q);
     A rx[4], rg[NB], dbs[NB];
 #pragma unroll
     for (int j = 0; j < NB; ++j) dbs[j] = A(0);
     auto load = [&]() {
       const bool jv = jj < J;
-      const long long xb = px.n * CHW;
-      const int bh = px.p * sh - ph, bw = px.q * sw - pw;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int ih = bh + x_rh[i], iw = bw + x_sw[i];
-        const bool ok = jv && x_ok[i] && static_cast<unsigned>(ih) < static_cast<unsigned>(H) &&
-                        static_cast<unsigned>(iw) < static_cast<unsigned>(W);
-        rx[i] = ok ? to_acc<A>(x[xb + x_off[i] + static_cast<long long>(ih) * W + iw]) : A(0);
-      }
-      const long long gb = px.n * KPQ + static_cast<long long>(px.p) * Q + px.q;
+      xr.load(rx, x, px.hi * CHW, px.mid * sh - ph, px.lo * sw - pw, H, W, jv);
+      const long long gb = px.hi * KPQ + static_cast<long long>(px.mid) * Q + px.lo;
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
         A v = (jv && g_ok[j]) ? to_acc<A>(g[gb + g_off[j]]) : A(0);
-        if constexpr (MODE == CLIPPED) v *= f[jv ? px.n : 0];
+        if constexpr (MODE == CLIPPED) v *= f[jv ? px.hi : 0];
         rg[j] = v;
         dbs[j] += v;
       }
@@ -410,7 +344,7 @@ __global__ void __launch_bounds__(conv_ps::THREADS)
         px.advance(st_n, st_p, st_q, P, Q);
         load();
       }
-      multiply<A, BN>(Xs[buf], Gs[buf], acc, tx, ty);
+      mma_stage<A, BN, LDA, LB>(Xs[buf], Gs[buf], acc, tx, ty);
       if (more) store(buf ^ 1);
       __syncthreads();
     }
