@@ -172,28 +172,8 @@ __device__ __forceinline__ void igemm_nchw(const T* __restrict__ src, const T* _
 
   const int tx = tile_tx(), ty = tile_ty();
   A acc[4][TN];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = A(0);
-
   const long long stages = (KRED + BK - 1) / BK;
-  if (stages > 0) {
-    load();
-    store(0);
-  }
-  __syncthreads();
-  for (long long t = 0; t < stages; ++t) {
-    const int buf = static_cast<int>(t & 1);
-    const bool more = t + 1 < stages;
-    if (more) {
-      advance();
-      load();
-    }
-    mma_stage<A, BN, LDA, LDB>(As[buf], Bs[buf], acc, tx, ty);
-    if (more) store(buf ^ 1);
-    __syncthreads();
-  }
+  run_stages<A, BN, LDA, LDB>(stages, As, Bs, acc, tx, ty, advance, load, store);
 
   // Epilogue: z = acc + bias (fprop), y = act(z); rows m .. m + 3, columns col .. col + TN - 1.
   const long long m = m0 + 4 * tx;
@@ -360,28 +340,8 @@ __global__ void __launch_bounds__(THREADS)
 
   const int tx = tile_tx(), ty = tile_ty();
   A acc[4][TN];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = A(0);
-
   const long long stages = j_end > j_begin ? (j_end - j_begin + BK - 1) / BK : 0;
-  if (stages > 0) {
-    load();
-    store(0);
-  }
-  __syncthreads();
-  for (long long t = 0; t < stages; ++t) {
-    const int buf = static_cast<int>(t & 1);
-    const bool more = t + 1 < stages;
-    if (more) {
-      advance();
-      load();
-    }
-    mma_stage<A, BN, LDA, LDB>(Xs[buf], Gs[buf], acc, tx, ty);
-    if (more) store(buf ^ 1);
-    __syncthreads();
-  }
+  run_stages<A, BN, LDA, LDB>(stages, Xs, Gs, acc, tx, ty, advance, load, store);
 
   A* __restrict__ part = partial + static_cast<long long>(blockIdx.z) * K * CRS;
   const int crs0 = blockIdx.x * BM + 4 * tx;

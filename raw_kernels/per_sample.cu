@@ -326,28 +326,11 @@ __global__ void __launch_bounds__(conv_ps::THREADS)
     };
 
     A acc[4][TN];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = A(0);
     const long long stages = (J + BK - 1) / BK;
-    if (stages > 0) {
-      load();
-      store(0);
-    }
-    __syncthreads();
-    for (long long t = 0; t < stages; ++t) {
-      const int buf = static_cast<int>(t & 1);
-      const bool more = t + 1 < stages;
-      if (more) {
+    run_stages<A, BN, LDA, LB>(stages, Xs, Gs, acc, tx, ty, [&]() {
         jj += BK;
         px.advance(st_n, st_p, st_q, P, Q);
-        load();
-      }
-      mma_stage<A, BN, LDA, LB>(Xs[buf], Gs[buf], acc, tx, ty);
-      if (more) store(buf ^ 1);
-      __syncthreads();
-    }
+      }, load, store);
 
     // Epilogue: rows crs0 .. crs0 + 3, columns kk0 .. kk0 + TN - 1 of the tile (within the group).
     const int crs0 = row_tile * BM + 4 * tx;

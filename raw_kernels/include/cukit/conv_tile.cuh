@@ -69,6 +69,35 @@ __device__ __forceinline__ void mma_stage(const A* __restrict__ As, const A* __r
   }
 }
 
+// The double-buffered mainloop over `stages` stages: acc = 0, then stage t is multiplied from
+// buffer t % 2 while stage t + 1 travels global -> registers (advance, load) and then into the
+// other buffer (store(buffer)); one barrier per stage.
+template <typename A, int BN, int LDA, int LDB, int SA, int SB, typename Advance, typename Load, typename Store>
+__device__ __forceinline__ void run_stages(long long stages, const A (&As)[2][SA], const A (&Bs)[2][SB],
+                                           A (&acc)[4][BN / 8], int tx, int ty, Advance&& advance, Load&& load,
+                                           Store&& store) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) acc[i][j] = A(0);
+  if (stages > 0) {
+    load();
+    store(0);
+  }
+  __syncthreads();
+  for (long long t = 0; t < stages; ++t) {
+    const int buf = static_cast<int>(t & 1);
+    const bool more = t + 1 < stages;
+    if (more) {
+      advance();
+      load();
+    }
+    mma_stage<A, BN, LDA, LDB>(As[buf], Bs[buf], acc, tx, ty);
+    if (more) store(buf ^ 1);
+    __syncthreads();
+  }
+}
+
 // The 4 patch rows crs = first + 16 i (crs = (c, r, s) over CRS = channels * R * S) a thread of a
 // weight-gradient tile stages: the offset of channel c0 + c's plane in a sample of x, the kernel
 // tap's row and column offsets (dilated), and whether the row exists.
