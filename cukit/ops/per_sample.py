@@ -1001,9 +1001,11 @@ def _conv_kernel(mode: str, x: Any, g: Any, s: ConvShape, bias: bool, route: str
         else:
             stream = current_stream(x.get_device(), True)
             part = g.new_empty((B, plan.tiles[0]), dtype=acc)
-            pb = g.new_empty((B, plan.tiles[1]), dtype=acc).data_ptr() if bias else 0
+            partb = g.new_empty((B, plan.tiles[1]), dtype=acc) if bias else None  # alive until both launches
+            pb = 0 if partb is None else partb.data_ptr()
             plan.main((x.data_ptr(), g.data_ptr(), 0, 0, 0, part.data_ptr(), pb), stream)
             plan.reduce((part.data_ptr(), pb, out.data_ptr()), stream)
+            del part, partb  # the launches are enqueued: stream-ordered reuse from here
         return out[0], (out[1] if bias else None)
     if plan is _EMPTY:
         return None
