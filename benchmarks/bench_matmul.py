@@ -36,10 +36,10 @@ still has them):
    cuBLAS on the same bf16 operands with a bf16 result (``vs_cukit``: the bf16-output path's ms
    over gemm's; it writes 2x the bytes of C and reads C too).
 6. with ``--tiles`` only: the Hopper TMA kernel forced to each block-tile width (``cukit tma256``,
-   ``tma128``, ``tma64``: ``matmul_tc.prepare(g, tile_n=...)``) beside ``cukit.matmul`` (the wave
+   ``tma192``, ``tma128``, ``tma64``: ``matmul_tc.prepare(g, tile_n=...)``) beside ``cukit.matmul`` (the wave
    model's pick) and cuBLAS, bf16, at shapes that exercise the wave model (small problems, the
    in-model shapes, and two with full waves for every width: the calibration of
-   ``matmul_tc.TMA_PINGPONG_RATE`` / ``TMA_NARROW_RATE``); the summary lists, per shape, the
+   ``matmul_tc.TMA_PINGPONG_RATE`` / ``TMA_NARROW_RATE`` / ``TMA_MID_RATE``); the summary lists, per shape, the
    fastest width and the model's pick. Needs compute capability 9.0 (elsewhere the rows say
    skipped).
 
@@ -119,7 +119,7 @@ GEMM_IMPL = "cukit gemm fp32 +="  # cukit.ops.matmul.gemm(a, b, c_float32, beta=
 HOOK_NAMES = ("_matmul_gpu", "matmul_gpu", "_gpu_matmul", "_launch_matmul")
 # The TMA kernel forced to one block-tile width (section 6): "cukit tma<width>".
 TILE_PREFIX = "cukit tma"
-TILE_IMPLS = tuple(f"{TILE_PREFIX}{bn}" for bn in (256, 128, 64))
+TILE_IMPLS = tuple(f"{TILE_PREFIX}{bn}" for bn in (256, 192, 128, 64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +154,7 @@ class Config:
     tile_shapes: tuple[Shape, ...] = (
         (1024, 1024, 1024), (512, 1024, 4096), (2048, 512, 2048), (4096, 768, 768), (8192, 768, 768),
         (4096, 4096, 1024), (2048, 2048, 2048), (4096, 2048, 768), (16896, 256, 768), (8448, 256, 2048),
+        (4096, 1536, 4096), (32768, 384, 4096),
     )
     # the sizes the targets are stated for (scaled down in dry runs)
     target_fp32: int = 4096

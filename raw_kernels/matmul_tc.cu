@@ -933,17 +933,18 @@ __global__ void __launch_bounds__(tc::NT, 1) matmul_tc_wgmma(CUKIT_GEMM_PARAMS(T
 // sm_90a: TMA + warp-specialised wgmma, 16-bit (any operand layout) or float as tf32 (A and B both
 // K-major: x @ W.T; PTX's tf32 wgmma has no transpose), 16-byte aligned rows.
 //
-// Three block-tile widths, template BN (cukit/ops/matmul_tc.py's tma_tile_n picks one per problem
-// by a wave-quantisation model): 128 x 256 (the default: fewer bytes per FLOP), 128 x 128 (twice
-// the tiles: fuller last waves on medium shapes, e.g. 8192 x 768 = 192 tiles of 128 x 256 on 132
-// SMs is 1.45 waves, 384 tiles of 128 x 128 are 2.9) and 128 x 64 (for problems with fewer
+// Four block-tile widths, template BN (cukit/ops/matmul_tc.py's tma_tile_n picks one per problem
+// by a wave-quantisation model): 128 x 256 (the default: fewer bytes per FLOP), 128 x 192 (full
+// waves where 256 leaves them ragged: 4096 x 768 is 128 such tiles, one wave on 132 SMs), 128 x
+// 128 (more tiles: fuller last waves on medium shapes, e.g. 8192 x 768 = 192 tiles of 128 x 256
+// on 132 SMs is 1.45 waves, 384 tiles of 128 x 128 are 2.9) and 128 x 64 (for problems with fewer
 // 128 x 128 tiles than SMs: 1024^3 is 64 of them, 128 tiles of 128 x 64).
 //
-// 288 threads: warpgroups 0 and 1 consume (cooperative, BN = 256: each 64 x BN of every tile,
+// 288 threads: warpgroups 0 and 1 consume (cooperative, BN = 256 or 192: each 64 x BN of every tile,
 // wgmma m64nBNk16 straight from shared memory; ping-pong, BN = 128 or 64: each whole tiles in
 // turn, see PP at the kernel), warp 8 produces: one thread issues the bulk tensor copies
 // (cp.async.bulk.tensor, the TMA engine) of every k-tile into an S-stage ring (Cfg<BN>: 4 stages
-// of 48 KiB for BN = 256, 6 of 32 KiB for BN = 128, 8 of 24 KiB for BN = 64: as many as fit beside
+// of 48 KiB for BN = 256, 4 of 40 KiB for 192, 6 of 32 KiB for 128, 8 of 24 KiB for 64: as many as fit beside
 // the epilogue staging, at most 8).
 // Stage s has a "full" mbarrier (the producer's arrive.expect_tx; the copy engine completes the
 // bytes) and an "empty" one (each consumer warp arrives once the wgmmas that read the stage have
@@ -982,14 +983,15 @@ constexpr int OUT_BYTES = 64 * OUT_ROW;  // one warpgroup's staging buffer
 // A then B), the two staging buffers, S "full" and S "empty" mbarriers, and up to 1 KiB lost to
 // aligning the ring.
 template <int BN> struct Cfg {
-  static_assert(BN == 256 || BN == 128 || BN == 64, "TMA block tiles are 128 x 256, 128 x 128 or 128 x 64");
-  static constexpr int B_BYTES = BN * tc::KB;       // 32 / 16 / 8 KiB
-  static constexpr int STAGE = A_BYTES + B_BYTES;   // 48 / 32 / 24 KiB
+  static_assert(BN == 256 || BN == 192 || BN == 128 || BN == 64,
+                "TMA block tiles are 128 x 256, 128 x 192, 128 x 128 or 128 x 64");
+  static constexpr int B_BYTES = BN * tc::KB;       // 32 / 24 / 16 / 8 KiB
+  static constexpr int STAGE = A_BYTES + B_BYTES;   // 48 / 40 / 32 / 24 KiB
   static constexpr int FIT = (SMEM_MAX - 2 * OUT_BYTES - ALIGN) / (STAGE + 16);
-  static constexpr int S = FIT < 8 ? FIT : 8;       // ring stages: 4 / 6 / 8
+  static constexpr int S = FIT < 8 ? FIT : 8;       // ring stages: 4 / 4 / 6 / 8
   static constexpr int SMEM = S * STAGE + 2 * OUT_BYTES + 16 * S + ALIGN;
   static constexpr int ACC = BN / 2;                // fp32 accumulators per consumer thread
-  static constexpr int PASS = BN < 128 ? BN : 128;  // columns per pass of store_tile_staged
+  static constexpr int PASS = BN % 128 == 0 ? 128 : 64;  // columns per pass of store_tile_staged
   static constexpr int PASSES = BN / PASS;          // its passes per 64 x BN tile of a warpgroup
   static constexpr int GROUP_M = tc::GROUP_M;       // raster: tile rows swept per column of tiles
   static_assert(S >= 3 && SMEM <= SMEM_MAX, "the ring does not fit in shared memory");
@@ -998,6 +1000,17 @@ template <int BN> struct Cfg {
 
 template <bool KMAJ> __device__ __forceinline__ u64 desc(u32 base, int j) {
   return KMAJ ? sm90::desc128(base + 32 * j) : desc_mn(base + 2048 * j);
+}
+
+// The descriptors of the mainloop as offsets from those of the ring's first stage: a descriptor's
+// low 14 bits are its address / 16, and every tile address stays under 256 KiB, so moving the
+// address by b bytes adds b / 16 to the low word with no carry out of the field. desc() computes
+// that field with a mask and a shift per wgmma; desc_at is one 32-bit add.
+template <bool KMAJ> __device__ constexpr u32 desc_step() {  // bytes of one k16 step (tf32: k8)
+  return KMAJ ? 32 : 2048;
+}
+__device__ __forceinline__ u64 desc_at(u64 first, u32 bytes) {
+  return (first & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(first) + (bytes >> 4));
 }
 
 // Tile t of the flattened (batch, tile) index, tiles of 128 x BN (tiles_n = ceil(N / BN)): grouped
@@ -1016,7 +1029,7 @@ __device__ __forceinline__ void tile_coords(long long t, int tiles_m, int tiles_
 }
 
 // Epilogue through shared memory: the warpgroup's 64 x BN accumulators go out in passes of
-// 64 x 128 (BN = 64: one pass of 64 x 64; Cfg<BN>::PASS). Each pass: bias + activation, converted to T and written to the warpgroup's
+// 64 x 128 (BN = 64 or 192: passes of 64 x 64; Cfg<BN>::PASS). Each pass: bias + activation, converted to T and written to the warpgroup's
 // staging buffer (fragment layout), a warpgroup barrier, then written to C row by row: 16-byte
 // vector stores when C's rows are 16-byte aligned, else 2-byte stores of 64 contiguous bytes per
 // instruction. Storing the fragments directly touches 8 rows per instruction in 8- or 16-byte
@@ -1072,7 +1085,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&d)[BN / 2], u32 
         if (row < M && col < N) {
           const u32 a = stg + lr * OUT_ROW + ch * 16;
           const uint2 lo = lds64(a), hi = lds64(a + 8);
-          *reinterpret_cast<uint4*>(Cz + row * ldc + col) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+          stg128(Cz + row * ldc + col, make_uint4(lo.x, lo.y, hi.x, hi.y));  // NVVM splits a uint4 store
         }
       }
     } else {  // one row of 32 elements per instruction
@@ -1250,7 +1263,7 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], u32 stg, TC
 // row-major (N x K); else B[z] is row-major (K x N). C[z] (at C + z * sc, rows ldc apart, type
 // TC) = act(A[z] B[z] + bias) (EPI_STORE, the defaults: C in T), or the scaled epilogues of
 // cukit/gemm.cuh (no activation).
-// BN: block-tile width, 256, 128 or 64 (the tensor map of B must have been encoded with BN's box).
+// BN: block-tile width, 256, 192, 128 or 64 (the tensor map of B must have been encoded with BN's box).
 // Launch: 288 threads, grid <= number of SMs, dynamic shared memory tma::Cfg<BN>::SMEM (a launch
 // with less traps: the ring would overrun it).
 // PP = 0 (cooperative): both consumer warpgroups work on each tile (64 x BN rows each) and run its
@@ -1281,6 +1294,10 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   const long long total = static_cast<long long>(tiles_m) * tiles_n * batch;
   const int KT = static_cast<int>((K + BKE - 1) / BKE);
 
+  if (warp == CONSUMER_WARPS && lane == 0) {  // the producer's first copies need both maps
+    tma_prefetch_map(map_a);
+    tma_prefetch_map(map_b);
+  }
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full + 8 * s, 1);
@@ -1341,6 +1358,7 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
   }
 
   const int wg = warp >> 2;
+  const u64 da0 = desc<A_K != 0>(smem + (PP ? 0 : wg * 8192), 0), db0 = desc<B_K != 0>(smem + A_BYTES, 0);
   if constexpr (PP) {
     // Local tile i of this CTA fills ring positions i KT .. i KT + KT - 1 (position p: stage p % S,
     // phase (p / S) & 1); warpgroup wg takes the local tiles i = wg, wg + 2, ...
@@ -1360,13 +1378,13 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       int prev = -1;
       for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(full + 8 * s, phase);
-        const u32 sa = smem + s * STAGE, sb = sa + A_BYTES;
+        const u32 st = static_cast<u32>(s) * STAGE;
         sm90::wg_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
-          sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc<A_K != 0>(sa + 8192, j),
-                                                                       desc<B_K != 0>(sb, j));
+          const u32 oa = st + j * desc_step<A_K != 0>(), ob = st + j * desc_step<B_K != 0>();
+          sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d0, desc_at(da0, oa), desc_at(db0, ob));
+          sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d1, desc_at(da0, oa + 8192), desc_at(db0, ob));
         }
         sm90::wg_commit();
         sm90::wg_wait<1>(d0, d1);
@@ -1404,11 +1422,12 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
     int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
       mbar_wait(full + 8 * s, phase);
-      const u32 sa = smem + s * STAGE + wg * 8192, sb = smem + s * STAGE + A_BYTES;
+      const u32 st = static_cast<u32>(s) * STAGE;
       sm90::wg_fence();
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc<A_K != 0>(sa, j), desc<B_K != 0>(sb, j));
+        sm90::Wgmma<T, BN>::template run<A_K ? 0 : 1, B_K ? 0 : 1>(d, desc_at(da0, st + j * desc_step<A_K != 0>()),
+                                                                     desc_at(db0, st + j * desc_step<B_K != 0>()));
       sm90::wg_commit();
       sm90::wg_wait<1>(d);  // the previous k-tile's wgmmas are done: its stage may be refilled
       if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);

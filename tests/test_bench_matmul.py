@@ -321,7 +321,7 @@ def test_tiles_section(bench: Any, capsys: pytest.CaptureFixture[str]) -> None:
     tiles = [c for c in bench.plan(full) if c.kind == "tiles"]
     assert [(c.M, c.N, c.K) for c in tiles] == list(full.tile_shapes)
     assert all(c.impls == (*bench.TILE_IMPLS, "cukit", "cuBLAS") and c.mode == "bf16" for c in tiles)
-    assert bench.TILE_IMPLS == ("cukit tma256", "cukit tma128", "cukit tma64")
+    assert bench.TILE_IMPLS == ("cukit tma256", "cukit tma192", "cukit tma128", "cukit tma64")
     assert not [c for c in bench.plan(bench.config_from_args(bench.parse_args([]))) if c.kind == "tiles"]
     assert not [c for c in bench.plan(bench.config_from_args(bench.parse_args(["--tiles", "--modes", "fp32"])))
                 if c.kind == "tiles"]
@@ -330,9 +330,10 @@ def test_tiles_section(bench: Any, capsys: pytest.CaptureFixture[str]) -> None:
     b = bench.Bench(dry)
     rows = bench.run_case(b, case)
     assert [r["impl"] for r in rows] == [*bench.TILE_IMPLS, "cukit", "cuBLAS"]
-    for r in rows[:3]:
+    n = len(bench.TILE_IMPLS)
+    for r in rows[:n]:
         assert r["error"].startswith("skipped: the TMA kernel runs on compute capability 9.0")
-    assert all(r.get("ms") for r in rows[3:]) and not b.failures
+    assert all(r.get("ms") for r in rows[n:]) and not b.failures
 
 
 def test_tile_lines(bench: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -426,7 +426,7 @@ def test_gpu_tma_tile_widths(tile_n, epi, layout):
 
 
 @gpu
-@pytest.mark.parametrize("tile_n", [256, 128, 64])
+@pytest.mark.parametrize("tile_n", [256, 192, 128, 64])
 @pytest.mark.parametrize("epi", ["scale", "accumulate"])
 def test_gpu_tma_tf32_tile_widths(tile_n, epi):
     """float32 as tf32 on the TMA kernel (A row-major, B column-major: both K-major, the layout

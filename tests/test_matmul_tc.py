@@ -145,8 +145,8 @@ def test_tma_fp32_staging_is_bank_conflict_free():
 
 def test_tma_shared_memory_per_width():
     """tma::Cfg<BN>'s layout: as many stages as fit in 227 KiB beside the epilogue staging."""
-    assert mt.TMA_TILE_N == (256, 128, 64)
-    assert mt.TMA_STAGES == {256: 4, 128: 6, 64: 8}
+    assert mt.TMA_TILE_N == (256, 192, 128, 64)
+    assert mt.TMA_STAGES == {256: 4, 192: 4, 128: 6, 64: 8}
     staging = 2 * 64 * 264
     for bn in mt.TMA_TILE_N:
         stage = (mt.BM + bn) * mt.KB
@@ -176,9 +176,14 @@ def test_tma_tile_n_wave_model():
     assert _tn(8192, 2048) == 128  # K = 768: likewise
     assert _tn(8192, 2048, K=8192) == 256
     assert _tn(4096, 1024, K=4096) == 256  # 128 tiles in 1 wave (0.97 x 0.97) vs 256 in 2 (0.97 x 0.94)
-    assert _tn(4096, 768) == 64  # 96 tiles in 1 wave (0.73 x 0.86), 192 in 2 (0.73 x 0.94), 384 in 3 (0.97 x 0.84)
+    # 96 tiles of 256 in 1 wave (0.73 x 0.86), 128 of 192 in 1 (0.97 x 0.86), 192 of 128 in 2 (0.73 x 0.94),
+    # 384 of 64 in 3 (0.97 x 0.84)
+    assert _tn(4096, 768) == 192
     assert _tn(768, 2048, K=4096) == 128  # dW of an MLP projection: 48 tiles (0.36) vs 96 (0.65)
     assert _tn(8192, 8192, K=8192) == 256 and _tn(32768, 1024, K=4096) == 256  # many waves, deep K
+    # 2,048 tiles of 256 in 16 waves (0.97 x 0.98) against 2,752 of 192 in 21 (0.99 x 0.98 x 0.98)
+    assert _tn(8192, 8192, K=8192) == 256
+    assert _tn(4096, 1536, K=4096) == 192  # 96 tiles of 256 (0.73), 128 of 192: one full wave
     assert _tn(1, 1) == 64 and _tn(100, 200) == 64  # a few tiles: less zero-filled work
     assert _tn(2048, 2048, K=2048) == 256  # 128 tiles of 128 x 256 fill a wave: the widest tile
     # the SM count matters: 192 tiles of 256 are one full wave on 192 SMs
@@ -198,7 +203,11 @@ def test_tma_tile_rate():
     assert mt.tma_tile_rate(256, 768) < mt.tma_tile_rate(128, 768) < mt.tma_tile_rate(256, 8192) < 1.0
     assert mt.tma_tile_rate(256, 0) == 1.0
     assert mt.tma_tile_rate(64, 768) == mt.tma_tile_rate(64, 8192) == mt.TMA_NARROW_RATE < mt.TMA_PINGPONG_RATE
-    assert mt.TMA_PINGPONG == {256: False, 128: True, 64: True}
+    assert mt.TMA_PINGPONG == {256: False, 192: False, 128: True, 64: True}
+    # 128 x 192 is cooperative, with a little more traffic per FLOP than 128 x 256
+    for K in (128, 768, 8192):
+        assert mt.tma_tile_rate(192, K) == pytest.approx(mt.tma_tile_rate(256, K) * mt.TMA_MID_RATE)
+    assert mt.tma_tile_rate(192, 8192) < mt.tma_tile_rate(256, 8192)
 
 
 def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
@@ -211,8 +220,8 @@ def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
     assert _tn(4096, 4096, K=4096) == 256
     monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 1.05)
     assert _tn(4096, 4096, K=4096) == 128
-    monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.6)
-    assert _tn(8192, 768) == 256
+    monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.6)  # 256 tiles of 192 in 2 full waves take it
+    assert _tn(8192, 768) == 192
     monkeypatch.setattr(mt, "TMA_EPILOGUE_K", 0)  # a free epilogue: the wider tile at 4096 x 4096 x 1024
     monkeypatch.setattr(mt, "TMA_PINGPONG_RATE", 0.94)
     assert _tn(4096, 4096, K=1024) == 256
@@ -227,10 +236,11 @@ def test_tma_tile_n_follows_the_calibrated_rates(monkeypatch):
 def test_tma_tile_n_counts_zero_filled_edges():
     """N = 384 is 1.5 tiles of 256: a quarter of the 128 x 256 work is on zero-filled columns.
     32768 x 384 x 4096: 512 tiles of 256 in 4 waves (0.97 of the slots x 0.75 filled x 0.97 =
-    0.71) against 768 of 128 in 6 (0.97 x 1.0 x 0.94 = 0.91): 128, where counting tiles alone
-    would say 256. 32768 x 512 fills both: 256."""
-    assert _tn(32768, 384, K=4096) == 128
-    assert _tn(32768, 640, K=4096) == 128  # 3 tiles of 256 across, 5/6 filled
+    0.71) against 512 of 192 in 4 (0.97 x 1.0 x 0.97 = 0.94) and 768 of 128 in 6 (0.97 x 1.0 x
+    0.94 = 0.91): 192, where counting tiles alone would say 256. 32768 x 512 fills 256 and 128:
+    256."""
+    assert _tn(32768, 384, K=4096) == 192
+    assert _tn(32768, 640, K=4096) == 128  # 3 tiles of 256 across, 5/6 filled; 4 of 192, 5/6 filled
     assert _tn(32768, 512, K=4096) == 256
 
 
@@ -262,7 +272,7 @@ def test_tma_specs_per_width(layout):
         assert spb[2] == ((64, bn) if b_k else (64, 64))
     assert specs[256][0] == specs[128][0]
     with pytest.raises(ValueError, match="tile width"):
-        mt.tma_specs(g, 192)
+        mt.tma_specs(g, 96)
 
 
 def test_tma_specs_float32_boxes_span_128_bytes_of_k():
@@ -300,7 +310,7 @@ def test_prepare_checks_the_forced_width(h100):
     g = _layout_gemm(True, False)
     assert mt.route(g) == "tma"
     with pytest.raises(ValueError, match="tile width"):
-        mt.prepare(g, version="tma", tile_n=192)
+        mt.prepare(g, version="tma", tile_n=96)
     with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):
         mt.prepare(g, version="mma", tile_n=128)
     with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):
@@ -604,7 +614,7 @@ def test_gpu_tf32_rounds_the_inputs():
 
 
 @gpu
-@pytest.mark.parametrize("tile_n", [None, 256, 128, 64])
+@pytest.mark.parametrize("tile_n", [None, 256, 192, 128, 64])
 def test_gpu_tma_tf32_widths_bias_activations(tile_n):
     """float32 as tf32 on the TMA kernel (x @ W.T: both operands K-major), each tile width forced:
     ragged tiles, K not a multiple of the 32-element k-tile, a batch of persistent tiles, bias with
@@ -777,13 +787,14 @@ def test_gpu_tma_tile_widths_persistent(tile_n, layout):
 def test_gpu_tma_default_width_is_the_models():
     """prepare without tile_n launches the width (and schedule) tma_tile_n picks for the device
     (8192 x 768 x 768 and 4096 x 4096 x 1024 take 128 x 128 ping-pong on an H100 or H200, 1024^3
-    128 x 64 ping-pong, 4096^3 128 x 256 cooperative), with its grid and shared memory."""
+    128 x 64 ping-pong, 4096^3 128 x 256 cooperative, 4096 x 768 x 768 128 x 192 cooperative), with
+    its grid and shared memory."""
     _hopper_or_skip()
     from cukit._device import device_caps
 
     sms = device_caps(0).sm_count
     picked = set()
-    for M, N, K in ((8192, 768, 768), (1024, 1024, 1024), (4096, 4096, 1024), (4096, 4096, 4096)):
+    for M, N, K in ((8192, 768, 768), (1024, 1024, 1024), (4096, 4096, 1024), (4096, 4096, 4096), (4096, 768, 768)):
         # prepare encodes no tensor map and reads no memory: aligned fake pointers do
         g = _g(M=M, N=N, K=K, sa_m=K, sb_k=1, sb_n=K, a=1 << 20, b=1 << 30, c=1 << 31)
         bn = mt.tma_tile_n(g)

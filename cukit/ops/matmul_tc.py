@@ -172,12 +172,14 @@ def tma_name(
 TMA_SIGNATURE = "b128 b128 ptr ptr f64 f64 i64 i64 i64 i64 i64 i64"
 TMA_THREADS = 288  # 2 consumer warpgroups + 1 producer warp
 # Block-tile widths of the TMA kernel (its template BN; the tiles are 128 x BN), widest first.
-TMA_TILE_N = (256, 128, 64)
+TMA_TILE_N = (256, 192, 128, 64)
 # The consumer schedule per width: 128 x 256 tiles are cooperative (both warpgroups on each tile,
 # 64 x 256 each: a warpgroup cannot hold 128 x 256 accumulators); 128 x 128 tiles are ping-pong
 # (each warpgroup takes whole tiles in turn, so one's epilogue runs under the other's mainloop);
 # so are 128 x 64 tiles, which exist for problems too small to give every SM a 128 x 128 tile.
-TMA_PINGPONG: dict[int, bool] = {256: False, 128: True, 64: True}
+# 128 x 192 tiles are cooperative like 128 x 256 (96 accumulators per thread): they fill waves that
+# 256 leaves ragged (4096 x 768 is 128 of them: one full wave on 132 SMs; N = 384 is two).
+TMA_PINGPONG: dict[int, bool] = {256: False, 192: False, 128: True, 64: True}
 # Throughput per unit of useful work when every wave is full (the wave model's third factor, see
 # tma_tile_n and tma_tile_rate), relative to 128 x 256 tiles whose epilogue would cost nothing.
 # Cooperative 128 x 256 tiles stop the tensor cores for each tile's epilogue, a cost that does not
@@ -192,9 +194,13 @@ TMA_PINGPONG_RATE = 0.94
 # and their wgmma (m64n64k16) does half the work per instruction: a lower constant rate, so that
 # they win only where the wider tiles would leave SMs idle (1024^3: 64 tiles of 128 x 128 on 132
 # SMs, 128 of 128 x 64). Calibrated on an H100 (bf16, NN and NT, shapes where both widths run two or
-# more tiles per CTA in full waves, K = 768 and 2048: 128 x 64 / 128 x 128 throughput 0.88-0.90,
-# times TMA_PINGPONG_RATE; benchmarks/NOTES.md, matmul v8).
-TMA_NARROW_RATE = 0.84
+# more tiles per CTA in full waves, K = 768 to 1024: 128 x 64 / 128 x 128 throughput 0.78-0.85,
+# times TMA_PINGPONG_RATE; benchmarks/NOTES.md, matmul v8 and v10).
+TMA_NARROW_RATE = 0.80
+# 128 x 192 tiles move 1.11x the bytes per FLOP of 128 x 256 ones (40 KiB per 3.1 MFLOP vs 48 per
+# 4.2): the cooperative rate times this factor. Calibrated on an H100 (bf16, both widths in full
+# waves, K = 3072 to 8192: 128 x 192 / 128 x 256 throughput 0.98-1.0; benchmarks/NOTES.md, v10).
+TMA_MID_RATE = 0.98
 # Dynamic shared memory per width, as raw_kernels/matmul_tc.cu's tma::Cfg<BN> lays it out: as many
 # ring stages (A + B k-tile: 48 / 32 / 24 KiB) as fit in 227 KiB beside the two epilogue staging
 # buffers (64 x (256 + 8) bytes each), 2 mbarriers per stage and 1 KiB lost to alignment, at most 8:
@@ -386,16 +392,17 @@ def tma_tile_rate(tile_n: int, K: int) -> float:
     """Relative throughput of the TMA kernel's 128 x `tile_n` tiles on a problem of depth `K` when
     every wave is full: ``TMA_NARROW_RATE`` for 128 x 64 tiles, ``TMA_PINGPONG_RATE`` for the
     other ping-pong tiles, ``K / (K + TMA_EPILOGUE_K)`` for cooperative ones (the epilogue's share
-    of a tile's time falls as K grows)."""
+    of a tile's time falls as K grows), times ``TMA_MID_RATE`` for 128 x 192."""
     if tile_n == 64:
         return TMA_NARROW_RATE
     if TMA_PINGPONG[tile_n]:
         return TMA_PINGPONG_RATE
-    return K / (K + TMA_EPILOGUE_K) if K > 0 else 1.0
+    coop = K / (K + TMA_EPILOGUE_K) if K > 0 else 1.0
+    return coop * TMA_MID_RATE if tile_n == 192 else coop
 
 
 def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
-    """The TMA kernel's block-tile width (256, 128 or 64, :data:`TMA_TILE_N`) for ``g`` on a device
+    """The TMA kernel's block-tile width (256, 192, 128 or 64, :data:`TMA_TILE_N`) for ``g`` on a device
     of `sms` multiprocessors (None: ``g``'s device): a wave-quantisation model.
 
     With 128 x bn tiles the persistent grid (one CTA per SM) runs
@@ -409,10 +416,12 @@ def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
     tiles inside C (ragged edge tiles compute zero-filled rows and columns) times the width's
     relative throughput. The width of the highest eff wins; a tie goes to the wider tile (fewer
     bytes per FLOP). On 132 SMs: 8192 x 768 x 768 takes 192 tiles of 128 x 256 in 2 waves (eff
-    0.73 x 0.86 = 0.62) or 384 of 128 x 128 in 3 (0.97 x 0.94 = 0.91): 128; 4096 x 4096 x 4096 is
-    512 tiles in 4 full waves (0.97 x 0.97 = 0.94) or 1024 in 8 (0.97 x 0.94 = 0.91): 256, but
-    at K = 1024 the cooperative epilogue tips it (0.86): 128; 1024^3 is 64 tiles of 128 x 128
-    (0.48 x 0.94 = 0.46) or 128 of 128 x 64 (0.97 x 0.84 = 0.82): 64."""
+    0.73 x 0.86 = 0.62), 256 of 128 x 192 in 2 (0.97 x 0.84 = 0.82) or 384 of 128 x 128 in 3
+    (0.97 x 0.94 = 0.91): 128; 4096 x 4096 x 4096 is 512 tiles in 4 full waves (0.97 x 0.97 =
+    0.94) or 1024 in 8 (0.97 x 0.94 = 0.91): 256, but at K = 1024 the cooperative epilogue tips
+    it (0.86): 128; 1024^3 is 64 tiles of 128 x 128 (0.48 x 0.94 = 0.46) or 128 of 128 x 64
+    (0.97 x 0.80 = 0.78): 64; 4096 x 768 x 768 is one full wave of 128 x 192 (0.97 x 0.84 =
+    0.81) against three of 128 x 64 (0.97 x 0.80 = 0.78): 192."""
     if sms is None:
         sms = device_caps(g.device).sm_count
     nb = g.batch_count
