@@ -203,8 +203,8 @@ __device__ __forceinline__ void igemm_nchw(const T* __restrict__ src, const T* _
         yv.v[i] = from_acc<T>(value(z));
       }
       const long long off = base + (col + j) * OHW;
-      store_vec<T, 4>(out + off, yv);
-      if (zout != nullptr) store_vec<T, 4>(zout + off, zv);
+      stg_vec<T, 4>(out + off, yv);
+      if (zout != nullptr) stg_vec<T, 4>(zout + off, zv);
     }
   } else {
 #pragma unroll

@@ -70,7 +70,7 @@ template <typename S, int N> __device__ __forceinline__ Pack<S, N> load_pack(con
 
 template <typename S, int N> __device__ __forceinline__ void store_pack(S* __restrict__ ptr, const Pack<S, N>& v) {
 #pragma unroll
-  for (int i = 0; i < N / Pack<S, N>::C; ++i) store_vec<S, Pack<S, N>::C>(ptr + i * Pack<S, N>::C, v.p[i]);
+  for (int i = 0; i < N / Pack<S, N>::C; ++i) stg_vec<S, Pack<S, N>::C>(ptr + i * Pack<S, N>::C, v.p[i]);
 }
 
 // The NV vectors of one chunk of a row that this thread holds; zeros past the row's end and for
