@@ -31,7 +31,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
-// 16 or 8 bytes to global memory in one instruction (p aligned to them): NVVM may split a vector
+// 16, 8 or 4 bytes to global memory in one instruction (p aligned to them): NVVM may split a vector
 // struct's store into 4-byte stores.
 __device__ __forceinline__ void stg128(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
@@ -39,6 +39,9 @@ __device__ __forceinline__ void stg128(void* p, uint4 v) {
 }
 __device__ __forceinline__ void stg64(void* p, uint2 v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void stg32(void* p, u32 v) {
+  asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 // ------------------------------------------------------------------------------ shared memory

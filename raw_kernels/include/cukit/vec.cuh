@@ -2,6 +2,7 @@
 // its stores are one STG.128 through stg_vec (store_vec's plain C++ store may be split by NVVM).
 // Callers check 16-byte alignment on the host and pick N = 1 otherwise.
 #pragma once
+#include <cukit/ptx.cuh>
 
 namespace cukit {
 
@@ -17,23 +18,20 @@ template <typename T, int N> __device__ __forceinline__ void store_vec(T* __rest
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
-// store_vec to global memory in one instruction per 16 bytes (8 or 4 bytes for smaller vectors).
-// NVVM splits some vector stores of a Vec assembled element by element into 2- or 4-byte stores
-// (the norms' outputs, conv2d's); the PTX vector store cannot be split. Kept apart from store_vec,
-// which also writes shared memory and elsewhere compiles to one wide store with better unrolling.
+// store_vec to global memory in one instruction per 16 bytes (8 or 4 for smaller vectors): NVVM splits
+// some vector stores of a Vec assembled element by element into 2- or 4-byte stores (the norms'
+// outputs, conv2d's); ptx::stg128 / stg64 cannot be split. Kept apart from store_vec, which also
+// writes shared memory and elsewhere compiles to one wide store with better unrolling.
 template <typename T, int N> __device__ __forceinline__ void stg_vec(T* __restrict__ p, const Vec<T, N>& v) {
   constexpr int B = static_cast<int>(sizeof(Vec<T, N>));
-  const unsigned int* w = reinterpret_cast<const unsigned int*>(&v);
   if constexpr (B % 16 == 0) {
+    const uint4* w = reinterpret_cast<const uint4*>(&v);
 #pragma unroll
-    for (int i = 0; i < B / 16; ++i)
-      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(reinterpret_cast<char*>(p) + 16 * i),
-                   "r"(w[4 * i]), "r"(w[4 * i + 1]), "r"(w[4 * i + 2]), "r"(w[4 * i + 3])
-                   : "memory");
+    for (int i = 0; i < B / 16; ++i) ptx::stg128(reinterpret_cast<char*>(p) + 16 * i, w[i]);
   } else if constexpr (B == 8) {
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+    ptx::stg64(p, *reinterpret_cast<const uint2*>(&v));
   } else if constexpr (B == 4) {
-    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w[0]) : "memory");
+    ptx::stg32(p, *reinterpret_cast<const unsigned int*>(&v));
   } else {
     *reinterpret_cast<Vec<T, N>*>(p) = v;
   }
