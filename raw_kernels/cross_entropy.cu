@@ -16,9 +16,11 @@
 // row's loss and gradient NaN (the kernels cannot raise, and a host check would be a sync).
 //
 // Workspace layout: row r starts at ws + r * ld (ld a multiple of the 16-byte vector, rows 16-byte
-// aligned); the gradient of row r is written as T from the same address, so the T gradient matrix
-// has row stride ld * sizeof(A) / sizeof(T) elements and needs no memory of its own.
+// aligned). The gradient of row r is written as T at gout + r * ldg: over the row itself (gout ==
+// ws, ldg = ld * sizeof(A) / sizeof(T): the gradient needs no memory of its own), or into a
+// separate buffer (the forward that stores every token's gradient for one dW GEMM later).
 #include <cukit/dtypes.cuh>
+#include <cukit/sm90.cuh>
 #include <cukit/vec.cuh>
 
 using namespace cukit;
@@ -157,7 +159,7 @@ template <typename T, typename A, bool FAST> struct Logit {
   }
 };
 
-// Pass 2 writes row r's gradient as T over the row's own A values. When T is narrower than A
+// Pass 2 may write row r's gradient as T over the row's own A values. When T is narrower than A
 // (sizeof(A) == 2 sizeof(T)) element c of the gradient lands on A element c / 2, which another
 // thread may not have read yet: iteration k (vectors [k B, (k + 1) B) of a B-thread block) writes
 // over the A elements read in iteration k / 2. So there is a barrier between the reads and the
@@ -166,8 +168,10 @@ template <typename T, typename A, bool FAST> struct Logit {
 // barriers per row, not one per iteration. Nothing read is ever written first (writes trail reads),
 // so the loads need no coherence beyond program order.
 //
-// Arguments (ws and the T view alias: no __restrict__ on them):
-//   ws (rows, ld) A        raw logits in; MODE_GRAD/REGRAD: the T gradient out (see the layout above)
+// Arguments (ws and gout may alias: no __restrict__ on them):
+//   ws (rows, ld) A        raw logits in
+//   gout (rows, ldg) T     MODE_GRAD/REGRAD: the gradient out, over ws or elsewhere (the layout above);
+//                          (16-byte aligned rows, ldg a multiple of 4 elements)
 //   bias (Vtot,) T or null; target (rows,) Y; cw (Vtot,) A class weights or null
 //   stats: [scale of the loss, scale of the gradient, sum of the class weights] (ce_stats)
 //   row_grad (rows,) A or null: u per row (MODE_REGRAD, reduction 'none'); else
@@ -179,19 +183,21 @@ template <typename T, typename A, bool FAST> struct Logit {
 //   lse (rows,) A: written (MODE_LOSS, MODE_GRAD) or read (MODE_REGRAD); row_loss (rows,) A: written
 //   eps, z_loss, softcap: host constants (as double, converted to A)
 template <typename T, typename Y, int MODE>
-__global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __restrict__ target,
+__global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ target,
                         const acc_t<T>* __restrict__ cw, const acc_t<T>* __restrict__ stats,
                         const acc_t<T>* __restrict__ row_grad, const acc_t<T>* __restrict__ grad0,
                         const acc_t<T>* __restrict__ lse_grad, acc_t<T>* __restrict__ lse,
                         acc_t<T>* __restrict__ row_loss, long long col0, long long rows, long long V,
-                        long long ld, long long Vtot, long long ignore_index, double eps_d, double z_loss_d,
-                        double softcap_d) {
+                        long long ld, long long ldg, long long Vtot, long long ignore_index, double eps_d,
+                        double z_loss_d, double softcap_d) {
   using A = acc_t<T>;
   constexpr bool FAST = kFast<T>;
   constexpr int VEC = 16 / sizeof(A);
   constexpr bool kNarrow = sizeof(T) < sizeof(A);
   static_assert(sizeof(A) == sizeof(T) || sizeof(A) == 2 * sizeof(T), "T must be A or half its width");
   __shared__ Lse<A> red[kMaxWarps + 1];
+  // the barriers of pass 2 order a narrow gradient's writes after the reads of the row it overwrites
+  const bool overwrite = kNarrow && static_cast<void*>(gout) == static_cast<void*>(ws);
 
   const A eps = A(eps_d), zl = A(z_loss_d);
   // column c of the row is class col0 + c: the bias and the per-column class weights from col0
@@ -278,7 +284,7 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
         cwc = u * eps / A(Vtot);
         if (bad) cp = cy = cwc = quiet_nan<A>();
       }
-      T* grow = reinterpret_cast<T*>(row);
+      T* grow = gout + r * ldg;
       auto grad = [&](A z, long long c) {
         A g = cp * exp_<FAST>(z - row_lse);
         if (cwc != A(0)) g -= cwc * (cw_cols != nullptr ? cw_cols[c] : A(1));
@@ -291,11 +297,11 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
       const bool has_tail = tail0 + tid < V;
       if (has_tail) tz = logit(row[tail0 + tid], tail0 + tid);
       for (long long k = 0; k < iters; ++k) {
-        if (kNarrow && k > 0 && (k & (k - 1)) == 0) __syncthreads();
+        if (overwrite && k > 0 && (k & (k - 1)) == 0) __syncthreads();
         const long long vi = k * nt + tid;
         Vec<A, VEC> a;
         if (vi < nvec) a = load_vec<A, VEC>(row + vi * VEC);
-        if (kNarrow && k == 0) __syncthreads();
+        if (overwrite && k == 0) __syncthreads();
         if (vi < nvec) {
           Vec<T, VEC> out;
 #pragma unroll
@@ -306,12 +312,178 @@ __global__ void ce_rows(acc_t<T>* ws, const T* __restrict__ bias, const Y* __res
           store_vec<T, VEC>(grow + vi * VEC, out);
         }
       }
-      if (kNarrow) __syncthreads();
+      if (overwrite) __syncthreads();
       if (has_tail) grow[tail0 + tid] = grad(tz, tail0 + tid);
     }
     __syncthreads();  // `red` is reused by the next row
   }
 }
+
+// -------------------------------------------------------------------------------------------------
+// ce_rows_held (sm_90): MODE_GRAD of ce_rows with the row held in registers across a cluster.
+//
+// ce_rows reads each row twice (pass 1 for the log-sum-exp, pass 2 for the gradient). At large
+// vocabularies its resident rows (blocks x V x 4 bytes) outgrow L2, so the second read goes to
+// DRAM as well. Here a cluster of CL CTAs holds one row in registers, R vectors per thread: every
+// element is read once, the CTAs combine their partial log-sum-exps through distributed shared
+// memory, and the gradient is computed from the registers. Needs V <= CL * blockDim.x * R * VEC.
+//
+// Element layout: vector k of thread t in CTA q (q = blockIdx.x, the rank: gridDim.x == CL) is
+// vector (k CL + q) blockDim.x + t of the row (coalesced for each k); rank 0 also holds the
+// V % VEC tail, one element per thread. Rows go to clusters by blockIdx.y (a grid-stride loop;
+// every CTA of a cluster walks the same rows).
+//
+// The gradient goes where ce_rows writes it (gout, ldg). Written over the row, it is safe: all
+// reads of the row, in every CTA, precede the cluster barrier that publishes the partial sums, and
+// every write follows it. The partial sums are double-buffered by row parity: a CTA writes a
+// buffer again two rows later, after a barrier that every CTA passes only once it has read that
+// buffer. Same arguments as ce_rows (row_grad and lse_grad unused, col0 == 0, V == Vtot); the
+// results agree with ce_rows up to the order of the sums (not bitwise).
+// -------------------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <typename T, typename Y, int CL, int R>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512, R <= 8 ? 2 : 1)
+ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ target,
+             const float* __restrict__ cw, const float* __restrict__ stats, const float* __restrict__ row_grad,
+             const float* __restrict__ grad0, const float* __restrict__ lse_grad, float* __restrict__ lse,
+             float* __restrict__ row_loss, long long col0, long long rows, long long V, long long ld, long long ldg,
+             long long Vtot, long long ignore_index, double eps_d, double z_loss_d, double softcap_d) {
+  using A = float;
+  constexpr bool FAST = kFast<T>;
+  constexpr int VEC = 4;
+  static_assert(sizeof(acc_t<T>) == sizeof(float), "ce_rows_held runs the float accumulator only");
+  __shared__ Lse<A> red[kMaxWarps + 1];
+  __shared__ Lse<A> part[2];
+  __shared__ Lse<A> total;
+  (void)row_grad, (void)lse_grad, (void)col0, (void)Vtot;
+
+  const A eps = A(eps_d), zl = A(z_loss_d);
+  const Logit<T, A, FAST> logit{bias, A(softcap_d), softcap_d > 0 ? A(1.0 / softcap_d) : A(0)};
+  // 32-bit column indices: a held row has at most 8 x 512 x 16 x 4 elements
+  const int nvec = static_cast<int>(V / VEC), tail0 = nvec * VEC;
+  const int tid = threadIdx.x, nt = blockDim.x, q = blockIdx.x;
+  const bool has_tail = q == 0 && tail0 + tid < V;
+  const A w_total = stats[2];
+  const A u = grad0 != nullptr ? grad0[0] * stats[1] : A(1);
+  int parity = 0;
+
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y, parity ^= 1) {
+    A* row = ws + r * ld;
+    const long long y = static_cast<long long>(target[r]);
+    const bool valid = y != ignore_index;
+    const bool bad = valid && (y < 0 || y >= V);
+    const A w_y = !valid ? A(0) : bad ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
+
+    // Every load first (R vectors in flight per thread), then the logits.
+    Vec<A, VEC> h[R];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int vi = (k * CL + q) * nt + tid;
+      if (vi < nvec) h[k] = load_vec<A, VEC>(row + vi * VEC);
+    }
+    A tz = has_tail ? row[tail0 + tid] : A(0);
+    const A z_y = q == 0 && tid == 0 && valid && !bad ? logit(row[y], y) : A(0);
+    A m = neg_inf<A>();
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int vi = (k * CL + q) * nt + tid;
+      if (vi < nvec) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          h[k].v[e] = logit(h[k].v[e], vi * VEC + e);
+          m = fmax(m, h[k].v[e]);  // NaN is skipped here and poisons the sum below
+        }
+      }
+    }
+    if (has_tail) {
+      tz = logit(tz, tail0 + tid);
+      m = fmax(m, tz);
+    }
+    Lse<A> mine{m, A(0), A(0)};
+    auto add = [&](A z, int c) {
+      mine.s += z != z ? z : m == neg_inf<A>() ? A(0) : exp_<FAST>(z - m);
+      if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
+    };
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int vi = (k * CL + q) * nt + tid;
+      if (vi < nvec) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) add(h[k].v[e], vi * VEC + e);
+      }
+    }
+    if (has_tail) add(tz, tail0 + tid);
+    const Lse<A> blk = block_lse<FAST>(mine, red);
+    if (tid == 0) part[parity] = blk;
+    sm90::cluster_sync();  // every CTA's reads of the row are done; the partial sums are published
+    if (tid < 32) {
+      // lane j takes CTA j's partial sums; a fixed shuffle tree combines them (the same order in
+      // every CTA of the cluster, so each computes the same lse)
+      Lse<A> p{neg_inf<A>(), A(0), A(0)};
+      if (tid < CL) {
+        const ptx::u32 ra =
+            sm90::dsmem_addr(static_cast<ptx::u32>(__cvta_generic_to_shared(&part[parity])), static_cast<ptx::u32>(tid));
+        p = Lse<A>{sm90::ld_dsmem_f32(ra), sm90::ld_dsmem_f32(ra + 4), sm90::ld_dsmem_f32(ra + 8)};
+      }
+#pragma unroll
+      for (int d = CL / 2; d > 0; d >>= 1) {
+        Lse<A> o;
+        o.m = shfl_down(p.m, d);
+        o.s = shfl_down(p.s, d);
+        o.t = shfl_down(p.t, d);
+        p = combine<FAST>(p, o);
+      }
+      if (tid == 0) {
+        total = p;
+        const A row_lse = p.m + log_(p.s);
+        if (q == 0) {
+          A loss = A(0);
+          if (valid) {
+            loss = (A(1) - eps) * w_y * (row_lse - z_y);
+            if (eps != A(0)) loss += eps / A(V) * (w_total * row_lse - p.t);
+            if (zl != A(0)) loss += zl * row_lse * row_lse;
+            if (bad) loss = quiet_nan<A>();
+          }
+          lse[r] = row_lse;
+          row_loss[r] = loss;
+        }
+      }
+    }
+    __syncthreads();
+    const Lse<A> all = total;
+    const A row_lse = all.m + log_(all.s);
+
+    // The gradient, g_c = cp p_c - cy [c = y] - cwc w_c, from the registers.
+    A cp = A(0), cy = A(0), cwc = A(0);
+    if (valid) {
+      const A a = (A(1) - eps) * w_y;
+      cp = u * (a + eps / A(V) * w_total + A(2) * zl * row_lse);
+      cy = u * a;
+      cwc = u * eps / A(V);
+      if (bad) cp = cy = cwc = quiet_nan<A>();
+    }
+    auto grad = [&](A z, int c) {
+      A g = cp * exp_<FAST>(z - row_lse);
+      if (cwc != A(0)) g -= cwc * (cw != nullptr ? cw[c] : A(1));
+      if (c == y) g -= cy;
+      return from_acc<T>(g * logit.slope(z));
+    };
+    T* grow = gout + r * ldg;
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int vi = (k * CL + q) * nt + tid;
+      if (vi < nvec) {
+        Vec<T, VEC> out;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) out.v[e] = grad(h[k].v[e], vi * VEC + e);
+        stg_vec<T, VEC>(grow + vi * VEC, out);
+      }
+    }
+    if (has_tail) grow[tail0 + tid] = grad(tz, tail0 + tid);
+  }
+  sm90::cluster_sync();  // no CTA leaves while another may still read its partial sums
+}
+#endif
 
 // -------------------------------------------------------------------------------------------------
 // ce_stats: the reduction's scales, on the device (no host sync). One block.

@@ -391,7 +391,7 @@ class TorchSteps:
                                     stats.dtype))
 
     def rows(self, mode, ws, bias, target, cw, stats, row_grad, grad0, lse_grad, lse, row_loss, r0, n, stream, *,
-             col0=0, cols=None, ld=None):
+             col0=0, cols=None, ld=None, out=None, ldo=0):
         p, sp = self.plan, self.plan.spec
         cols = p.V if cols is None else cols
         assert (col0, cols) == (0, p.V) or mode == lce.MODE_REGRAD, "a block of classes only for the regrad"
@@ -422,6 +422,10 @@ class TorchSteps:
         full[:, col0:col0 + cols] = z
         g = lce.dlogits_torch(full, y, cw, lz, stats, u, v, sp.ignore_index, sp.label_smoothing, sp.z_loss,
                               sp.softcap)[:, col0:col0 + cols]
+        if out is not None:  # the stored gradient of every token
+            assert out.dtype == DT[p.dtype] and out.shape[1] == ldo >= cols
+            out[:n, :cols] = g
+            return
         view = ws.view(DT[p.dtype]) if p.narrow else ws
         view[:n, :cols] = g  # rounded once to the input dtype, over the logits it came from
 
@@ -499,7 +503,12 @@ def _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_l
     if precompute:
         s = gl if accumulate == "recompute" else stats[1] * gl  # (the torch layer's _finish)
         dx = (dx_b.to(acc) * s).to(x.dtype)
-        dw = (dw_b.to(acc) * s / plan.dw_alpha()).to(w.dtype)
+        if plan.stored:  # the logit gradient G of every token: dW in blocks of classes
+            assert dw_b.shape == (plan.T, lce.stored_ld(plan.V)) and dw_b.dtype == x.dtype
+            dw = lce.stored_dw(dw_b[:, :plan.V], x, torch.empty(plan.V, plan.H, dtype=w.dtype), stats[1:2],
+                               gl.reshape(1), lambda src, dst, a, b: dst.copy_(src * a[0] * b[0]))
+        else:
+            dw = (dw_b.to(acc) * s / plan.dw_alpha()).to(w.dtype)
         db = None if b is None else (db_b * s).to(b.dtype)
     else:
         dx, dw, db = lce.run_backward(plan, plan.steps, None, x, w, y, b, cwa, lse, stats, gl,
@@ -538,6 +547,40 @@ def test_cpu_emulated_chunk_loops_match_oracle(T, H, V, tc, reduction, dtype, bi
     # "recompute" rounds the scaled gradients in the forward and multiplies the upstream gradient
     # (random here, not a power of two) after: a second rounding
     check_grads((dx, dw, db), exp[2:], bounds, GRAD_TOL[dtype] * (2 if accumulate == "recompute" else 1))
+
+
+def test_stores_logit_grads_rule():
+    """The stored logit gradient (tokens x vocab, 16-bit) replaces the float32 dW accumulator only
+    where it is no larger (tokens <= 2 x hidden), for 'mean'/'sum' with float32 accumulation."""
+    f = lce.stores_logit_grads
+    assert f(8192, 4096, 128256, "bfloat16", "float32", "mean")
+    assert f(8192, 4096, 128256, "float16", "float32", "sum")
+    assert not f(8192, 2048, 128256, "bfloat16", "float32", "mean")  # 2 GiB of G against 1 GiB of dW
+    assert not f(100, 64, 1000, "bfloat16", "float32", "none")
+    assert not f(100, 64, 1000, "bfloat16", "input", "mean") and not f(100, 64, 1000, "bfloat16", "recompute", "mean")
+    assert not f(100, 64, 1000, "float32", "float32", "mean") and not f(0, 64, 1000, "bfloat16", "float32", "mean")
+    assert lce.stored_ld(1) == 8 and lce.stored_ld(128256) == 128256 and lce.stored_ld(32001) == 32008
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cpu_emulated_stored_logit_grads(dtype, reduction, monkeypatch):
+    """The forward keeps G (every token's logit gradient, written by the row kernel into its own
+    buffer chunk by chunk) and dW comes from it in blocks of classes through a float32 scratch:
+    three blocks here (the scratch shrunk to 128 classes), the chunk loop of 3 tokens, bias,
+    class weights and every option."""
+    monkeypatch.setattr(lce, "STORED_SCRATCH_BYTES", 128 * 4 * 8)
+    T, H, V = 11, 8, 300
+    x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=True, weights=True, seed=3)
+    opts = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 4.0}
+    gl = torch.tensor(0.75, dtype=torch.float64)
+    loss, lse, dx, dw, db, plan = emulated_call(x, w, y, b, cw, reduction=reduction, tc=3, grad_loss=gl, **opts)
+    assert_close(lse, exp_lse := oracle(x, w, y, b, cw, reduction=reduction, **opts)[1], atol=2e-5, rtol=2e-5)
+    assert exp_lse.shape == (T,) and plan.stored and plan.steps.calls == ["rows1:0+3", "rows1:3+3", "rows1:6+3", "rows1:9+2"]
+    exp = oracle(x, w, y, b, cw, reduction=reduction, grad_loss=gl, **opts)
+    assert_close(loss, exp[0], atol=2e-5, rtol=2e-5)
+    check_grads((dx, dw, db), exp[2:], grad_bounds(x, w, y, b, cw, reduction=reduction, grad_loss=gl, **opts),
+                GRAD_TOL[dtype])
 
 
 def test_cpu_emulated_recompute_passes():
@@ -656,6 +699,24 @@ def test_options_chunking_and_translation():
     with pytest.raises(TypeError, match=r"options must be None, a cukit\.LinearCrossEntropyOptions"):
         cukit.linear_cross_entropy(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long),
                                    options={"chunk_size": 4})
+
+
+def test_held_config_covers_the_row_and_prefers_two_ctas_per_sm():
+    """ce_rows_held's (cluster, vectors per thread, threads): the CTAs of the cluster hold the whole
+    row (threads x R x 4 elements each), R = 8 while a cluster of 8 suffices, threads trimmed to
+    a multiple of 32; ce_rows below HELD_MIN_VOCAB, for float64 and beyond 262,144 classes."""
+    assert lce.held_config(lce.HELD_MIN_VOCAB - 1, "bfloat16") is None
+    assert lce.held_config(128256, "float64") is None
+    assert lce.held_config(8 * 512 * 16 * 4 + 4, "bfloat16") is None
+    assert lce.held_config(32000, "bfloat16") == (2, 8, 512)
+    assert lce.held_config(50257, "float16") == (4, 8, 416)
+    assert lce.held_config(128256, "bfloat16") == (8, 8, 512)
+    assert lce.held_config(256000, "float32") == (8, 16, 512)
+    for v in (16384, 16387, 40001, 65536, 65537, 100003, 131072, 131075, 200001, 262144):
+        cl, r, threads = lce.held_config(v, "float32")
+        assert (cl, r) in lce.HELD_CONFIGS and threads % 32 == 0 and 32 <= threads <= 512
+        assert cl * threads * r * 4 >= v - v % 4  # the tail (< 4 elements) rides on rank 0
+        assert cl * (threads - 32) * r * 4 < v or threads == 32  # no idle warp in every CTA
 
 
 def test_bad_input_raises_clear_errors():
@@ -909,6 +970,71 @@ def test_gpu_shapes_chunks_and_all_ignored(dtype, shape):
     assert torch.isnan(loss) and dx.abs().sum() == 0 and dw.abs().sum() == 0 and db.abs().sum() == 0
 
 
+def _worst_ratios(got, exp, bounds):
+    """Per gradient: the largest |got - exp| / bound (NaN patterns must agree)."""
+    out = []
+    for g, e, bd in zip(got, exp, bounds, strict=True):
+        if e is None:
+            continue
+        a = torch.as_tensor(to_numpy(g), dtype=torch.float64)
+        nan = torch.isnan(e)
+        assert torch.equal(torch.isnan(a), nan)
+        out.append(float(((a - e).abs().masked_fill(nan, 0) / (bd + 1e-300)).max()))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [16387, 40001, 100003, 200001])  # each (CL, R) of HELD_CONFIGS, a tail of 3 or 1
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_held_rows_match_oracle(V, dtype, monkeypatch):
+    """The gradient-in-the-forward rows at vocabularies where ce_rows_held runs (compute capability
+    9.0), with bias, class weights, label smoothing, z-loss, soft-capping, ignored rows and int32
+    targets: loss and lse to float32 accuracy, gradients no further from the float64 oracle than
+    ce_rows' (the same GEMMs; at float32 their sums over ~10^5 classes, not the rows, set the
+    error), and a bad target's NaN confined to its row."""
+    names: list[str] = []
+    prepare = lce.KERNELS_SM90.prepare
+    monkeypatch.setattr(lce.KERNELS_SM90, "prepare", lambda name, *a, **k: names.append(name) or prepare(name, *a, **k))
+    for H in (16, 24):  # 24: 16-bit inputs store the logit gradients (37 <= 2 x 24), 16 writes them in place
+        _held_case(V, dtype, H, monkeypatch, names)
+
+
+def _held_case(V, dtype, H, monkeypatch, names):
+    from cukit._device import device_caps
+
+    T = 37
+    assert lce.stores_logit_grads(T, H, V, dtype, "float32", "mean") == (H == 24 and dtype != "float32")
+    x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=True, weights=True, seed=V, device="cuda", scale=3.0)
+    opts = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 20.0}
+    cpu = (x.cpu(), w.cpu(), y.cpu(), b.cpu(), cw.cpu())
+    cases = [((b, cw), cpu, "mean", opts), ((None, None), (*cpu[:3], None, None), "sum", {})]
+    held = [_cuda_call(x, w, y.to(torch.int32), *bc, reduction=red, **o) for bc, _, red, o in cases]
+    if device_caps(x.device.index or 0).cc == 90:
+        cl, r, _ = lce.held_config(V, dtype)
+        assert any(f", {cl}, {r}>" in n for n in names), names
+    lce._PLANS.clear()
+    with monkeypatch.context() as m:
+        m.setattr(lce, "held_config", lambda vocab, dtype: None)  # ce_rows for the comparison
+        rows = [_cuda_call(x, w, y.to(torch.int32), *bc, reduction=red, **o) for bc, _, red, o in cases]
+    lce._PLANS.clear()
+    for got, base, (_, c, red, o) in zip(held, rows, cases, strict=True):
+        exp = oracle(*c, reduction=red, **o)
+        bounds = grad_bounds(*c, reduction=red, **o)
+        lt = 2e-5
+        assert_close(got[0].cpu(), exp[0], atol=lt, rtol=lt)
+        assert_close(got[1].cpu(), exp[1], atol=lt, rtol=lt)
+        for h, p in zip(_worst_ratios(got[2:], exp[2:], bounds), _worst_ratios(base[2:], exp[2:], bounds),
+                        strict=True):
+            assert h <= max(GRAD_TOL[dtype], 1.25 * p), (h, p)
+    bad = y.clone()
+    bad[3] = V  # out of range: NaN in its row only
+    per = cukit.linear_cross_entropy(x, w, bad, reduction="none")
+    loss = cukit.linear_cross_entropy(x, w, bad)
+    torch.cuda.synchronize()
+    assert torch.isnan(per[3]) and torch.isfinite(per[torch.arange(T, device="cuda") != 3]).all()
+    assert torch.isnan(loss)
+
+
 @pytest.mark.gpu
 def test_gpu_bad_target_gives_nan_not_a_fault():
     x, w, _, _, _ = make(6, 32, 10, dtype=torch.float32, device="cuda")
@@ -970,8 +1096,9 @@ def test_gpu_torch_compile_fullgraph(compile_policy: str):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_cuda_graph_capture_and_replay(reduction):
-    x, w, y, _, _ = make(300, 128, 1000, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("H", [128, 160])  # 160: 'mean' stores the logit gradients (300 <= 2 x 160)
+def test_gpu_cuda_graph_capture_and_replay(reduction, H):
+    x, w, y, _, _ = make(300, H, 1000, dtype=torch.bfloat16, device="cuda")
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     opts = cukit.LinearCrossEntropyOptions(chunk_size=128)
 

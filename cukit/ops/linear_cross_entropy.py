@@ -13,6 +13,9 @@ The GPU path works in chunks of ``Tc`` tokens (see :class:`LinearCrossEntropyOpt
    wanted, ``g = d loss / d logits`` (bias, soft-capping, z-loss, label smoothing, class weights
    and ignore_index included), written in the input dtype over the workspace row it was read from;
 3. ``dx_c = g_c @ W`` (rows of dx) and ``dW += g_c^T @ x_c``; ``db += column sums of g_c``.
+   Where the gradients of all tokens take no more memory than a float32 dW (16-bit inputs,
+   tokens <= 2 x hidden: :func:`stores_logit_grads`), ce_rows writes ``g_c`` into a buffer of
+   every token's gradient instead, and the backward makes dW from it in one GEMM over all tokens.
 
 For 'mean' and 'sum' the gradients come out of the forward pass (three GEMMs in all, no
 recomputation), unscaled: the reduction's scale (a device scalar from ``ce_stats``, computed
@@ -30,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cukit._device import sm_count
+from cukit._device import device_caps, sm_count
 from cukit._runtime import KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
@@ -102,7 +105,7 @@ KERNELS = KernelModule(
     instantiations=_instantiations(),
     signatures={
         # the first column (col0) is given per call, after the pointers
-        "ce_rows": "ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 f64 f64 f64",
+        "ce_rows": "ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 i64 f64 f64 f64",
         "ce_stats": "ptr ptr ptr i64 i64 i64 i32",
         "ce_total": "ptr ptr ptr i64",
         "ce_colsum": "ptr ptr i64 i64 i64 i64",
@@ -110,6 +113,42 @@ KERNELS = KernelModule(
         "scale_cast": "ptr ptr ptr ptr i64 f64",
     },
 )
+
+# ce_rows_held (compute capability 9.0): a cluster of CL CTAs holds a row in registers, R vectors
+# of 4 floats per thread, so the row is read once (ce_rows reads it twice: at large vocabularies
+# the second read misses L2). (CL, R) pairs in order of preference: R = 8 fits two CTAs per SM.
+HELD_CONFIGS = ((2, 8), (4, 8), (8, 8), (8, 16))
+# Below this many classes ce_rows' resident rows (blocks x V x 4 bytes) fit in L2, and its second
+# read of a row hits there: the held kernel's cluster exchange would cost more than it saves.
+HELD_MIN_VOCAB = 16384
+_HELD_THREADS = 512
+
+KERNELS_SM90 = KernelModule(
+    "cross_entropy.cu",
+    instantiations={
+        f"{name}/held": [f"ce_rows_held<{DTYPES[name].ctype}, {y}, {cl}, {r}>"
+                         for y in ("long long", "int") for cl, r in HELD_CONFIGS]
+        for name in ("bfloat16", "float16", "float32")
+    },
+    signatures={"ce_rows_held": KERNELS.signatures["ce_rows"]},
+    arch="sm_90",
+)
+
+
+def held_config(vocab: int, dtype: str) -> tuple[int, int, int] | None:
+    """(cluster size CL, vectors per thread R, threads per CTA) of ce_rows_held for rows of `vocab`
+    classes in `dtype` (the first pair of :data:`HELD_CONFIGS` whose CTAs hold the row, threads
+    trimmed to a multiple of 32), or None where ce_rows runs: float64, vocab below
+    :data:`HELD_MIN_VOCAB` or above the largest configuration's 262,144."""
+    if dtype not in ("bfloat16", "float16", "float32") or vocab < HELD_MIN_VOCAB:
+        return None
+    nvec = vocab // 4
+    for cl, r in HELD_CONFIGS:
+        if nvec <= cl * _HELD_THREADS * r:
+            threads = max(32, -(-nvec // (cl * r * 32)) * 32)
+            return cl, r, threads
+    return None
+
 
 _ROW_THREADS = 512
 # Resident rows of ce_rows: its second pass re-reads a row the first pass read; the fewer rows in
@@ -288,6 +327,30 @@ def _ld(vocab: int, acc_itemsize: int) -> int:
     gradient rows written over them) start 16-byte aligned for vector and TMA accesses."""
     per = 32 // acc_itemsize
     return max(per, -(-vocab // per) * per)
+
+
+def stores_logit_grads(tokens: int, hidden: int, vocab: int, dtype: str, accumulate: str, reduction: str) -> bool:
+    """Whether the forward of 'mean' / 'sum' with a dW wanted keeps every token's logit gradient,
+    G (tokens x vocab, in the input dtype), instead of accumulating dW chunk by chunk in float32.
+
+    With G the backward makes dW in one GEMM over all tokens (the float32 products of each block of
+    classes rounded once, after the reduction's scale and the upstream gradient, as the float32
+    accumulator is): no dW read and written per chunk, and a GEMM whose K is every token rather
+    than a chunk's. Chosen for 16-bit inputs with float32 accumulation where G is no larger than
+    the float32 dW it replaces (tokens <= 2 x hidden), so the peak never grows.
+    """
+    return (dtype in ("bfloat16", "float16") and accumulate == "float32" and reduction != "none"
+            and 0 < tokens <= 2 * hidden and vocab > 0)
+
+
+def stored_ld(vocab: int) -> int:
+    """Row stride of the stored logit gradient G, in elements of a 16-bit dtype: 16-byte rows."""
+    return max(8, -(-vocab // 8) * 8)
+
+
+# The float32 scratch of the stored-gradient dW: blocks of classes small enough to stay in L2
+# between the GEMM that writes them and the cast that rounds them.
+STORED_SCRATCH_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,27 +848,41 @@ class DeviceSteps:
 
     def rows(self, mode: int, ws: Any, bias: Any, target: Any, cw: Any, stats: Any, row_grad: Any, grad0: Any,
              lse_grad: Any, lse: Any, row_loss: Any, r0: int, n: int, stream: Any, *, col0: int = 0,
-             cols: int | None = None, ld: int | None = None) -> None:
+             cols: int | None = None, ld: int | None = None, out: Any = None, ldo: int = 0) -> None:
         """ce_rows over rows [r0, r0 + n) of the per-token arrays, rows [0, n) of ws (row stride
-        `ld`, default the plan's), each holding the classes [col0, col0 + cols) (default all)."""
+        `ld`, default the plan's), each holding the classes [col0, col0 + cols) (default all).
+        The gradient goes over ws, or into rows [0, n) of `out` (row stride `ldo` elements of the
+        input dtype) when given."""
         sp = self.spec
         cols = self.V if cols is None else cols
         ld = self.ld if ld is None else ld
-        key = ("rows", mode, n, cols, ld)
+        if out is None:
+            ldo = ld * self.asize // DTYPES[self.dtype].itemsize
+        key = ("rows", mode, n, cols, ld, ldo)
         run = self._launches.get(key)
+        if run is None and mode == MODE_GRAD and col0 == 0 and cols == self.V:
+            held = held_config(cols, self.dtype) if device_caps(self.device).cc == 90 else None
+            if held is not None:
+                cl, r, threads = held
+                # one cluster per row (up to the grid's y limit; the kernel loops past it): the
+                # hardware places clusters as SMs free up
+                run = self._launches[key] = KERNELS_SM90.prepare(
+                    f"ce_rows_held<{self.t}, {self.y}, {cl}, {r}>", (cl, max(1, min(n, 65535))), (threads,),
+                    (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap),
+                    device=self.device)
         if run is None:
             nvec = -(-cols // (16 // self.asize))
             threads = min(_ROW_THREADS, max(32, -(-nvec // 32) * 32))
             grid = max(1, min(n, sm_count(self.device) * _ROW_BLOCKS_PER_SM))
             run = self._get(key, f"ce_rows<{self.t}, {self.y}, {mode}>", (grid,), (threads,),
-                            (n, cols, ld, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap))
+                            (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap))
         a = self.asize * r0
 
         def at(x: Any) -> int:
             return 0 if x is None else _ptr(x) + a
 
-        run((_ptr(ws), _ptr(bias), _ptr(target) + self.ysize * r0, _ptr(cw), _ptr(stats), at(row_grad), _ptr(grad0),
-             at(lse_grad), at(lse), at(row_loss), np.int64(col0)), stream)
+        run((_ptr(ws), _ptr(ws if out is None else out), _ptr(bias), _ptr(target) + self.ysize * r0, _ptr(cw),
+             _ptr(stats), at(row_grad), _ptr(grad0), at(lse_grad), at(lse), at(row_loss), np.int64(col0)), stream)
 
     def total(self, row_loss: Any, stats: Any, out: Any, n: int, stream: Any) -> None:
         """out = stats[0] * sum(row_loss)."""
@@ -849,6 +926,33 @@ def _scale_cast(src: Any, dst: Any, s0: Any, s1: Any, factor: float, device: int
 _CASTS = PlanCache("linear_cross_entropy_cast", maxsize=256)
 
 
+def stored_dw(g: Any, x: Any, dw: Any, s0: Any, s1: Any, cast: Any) -> Any:
+    """``dw = s0[0] s1[0] g^T x`` for the stored logit gradient g (T, V) (a view: unit column
+    stride) and x (T, H), rounded once into dw (V, H): the float32 product of each block of classes
+    (one GEMM over all T tokens) into a scratch that stays in L2 (:data:`STORED_SCRATCH_BYTES`),
+    then ``cast(src, dst, s0, s1)`` rounds it into its rows of dw."""
+    V, H = int(dw.shape[0]), int(dw.shape[1])
+    vb = min(V, max(128, STORED_SCRATCH_BYTES // (4 * max(H, 1)) // 128 * 128))
+    scratch = _empty((vb, H), "float32", x)
+    for c0 in range(0, V, vb):
+        nb = min(vb, V - c0)
+        _matmul.gemm(g[:, c0:c0 + nb].T, x, scratch[:nb])
+        cast(scratch[:nb], dw[c0:c0 + nb], s0, s1)
+    return dw
+
+
+def stored_dw_gpu(g: Any, x: Any, vocab: int, dtype: str, s0: Any = None, s1: Any = None) -> Any:
+    """:func:`stored_dw` on the GPU into a new (vocab, H) array of `dtype`: g is the forward's
+    stored gradient buffer (T, ldg), x the input (T, H)."""
+    device = device_of(x)
+    stream = current_stream(device, hasattr(x, "data_ptr"))
+    dw = _empty((vocab, int(x.shape[1])), dtype, x)
+    if hasattr(x, "data_ptr") and x.stride(-1) != 1:
+        x = x.contiguous()
+    return stored_dw(g[:, :vocab], x, dw, s0, s1,
+                     lambda src, dst, a, b: _scale_cast(src, dst, a, b, 1.0, device, stream))
+
+
 def scale_cast_gpu(src: Any, dtype: str, s0: Any = None, s1: Any = None, factor: float = 1.0, *,
                    inplace: bool = False) -> Any:
     """``(src * s0[0] * s1[0] * factor)`` rounded once to `dtype` (s0, s1: 1-element device arrays
@@ -886,6 +990,11 @@ class Plan:
     def narrow(self) -> bool:
         """The gradient (input dtype) is narrower than the workspace (16-bit inputs)."""
         return self.dtype != self.acc and self.dtype != "float64"
+
+    @property
+    def stored(self) -> bool:
+        """The forward keeps every token's logit gradient for the backward's dW (stores_logit_grads)."""
+        return stores_logit_grads(self.T, self.H, self.V, self.dtype, self.accumulate, self.spec.reduction)
 
     def grad_dtype(self) -> str:
         """dtype of the dx / dW buffers the forward fills (see grad_accumulation)."""
@@ -976,7 +1085,9 @@ def forward_gpu(
     *unscaled* sum of the per-token losses (dx (T, H) and dW (V, H) in ``plan.grad_dtype()``, db
     (V,) in the accumulator dtype, None where not needed): the backward multiplies them by
     ``stats[1]`` (the reduction's scale; "recompute" has applied it already), the upstream
-    gradient and, for dW, ``1 / plan.dw_alpha()`` (:func:`scale_cast_gpu`). stats: see
+    gradient and, for dW, ``1 / plan.dw_alpha()`` (:func:`scale_cast_gpu`). Where
+    :func:`stores_logit_grads` holds, dw_buf is instead the logit gradient G (T, stored_ld(V)) in
+    the input dtype, and dW = the same scales times G^T x (:func:`stored_dw_gpu`). stats: see
     ``ce_stats``. `vocab_block`: classes per block of the "recompute" mode's second pass (0
     otherwise). Validated on a signature's first call."""
     plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block)
@@ -1001,28 +1112,42 @@ def run_forward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: Any
     grads = need_dx or need_dw or need_db
     gdt = plan.grad_dtype()
     dx_buf = _empty((T, H), gdt, x) if need_dx else None
+    # the stored logit gradient replaces the float32 dW (the backward makes dW from it)
+    stored = need_dw and plan.stored
     # "recompute" allocates dW after the first pass, whose workspace may be as large
-    dw_buf = _empty((V, H), gdt, x, zero=T == 0) if need_dw and not (plan.recompute and T) else None
+    dw_buf = _empty((V, H), gdt, x, zero=T == 0) if need_dw and not (plan.recompute and T) and not stored else None
     db_buf = _empty((V,), acc, x, zero=T == 0) if need_db else None
     # "recompute": the gradients come scaled by the reduction (u = one * stats[1] per row)
     one = _ones(acc, x) if plan.recompute and grads else None
     if T:
         ws, gview, ldg = _workspace(plan, x)
+        if stored:
+            ldg = stored_ld(V)
+            gall = _empty((T, ldg), plan.dtype, x)
+            if ldg > V:  # the row padding is an output too (of the torch op): defined, not garbage
+                _fill_zero(gall[:, V:])
         partial = _empty((-(-plan.tc // _COLSUM_ROWS), V), acc, x) if need_db else None
         for i, r0 in enumerate(range(0, T, plan.tc)):
             n = min(plan.tc, T - r0)
             _logits(x[r0:r0 + n], w, ws[:n, :V])
-            steps.rows(MODE_GRAD if grads else MODE_LOSS, ws, bias, target, cw, stats, None, one, None, lse,
-                       row_loss, r0, n, stream)
+            if stored:
+                steps.rows(MODE_GRAD, ws, bias, target, cw, stats, None, one, None, lse, row_loss, r0, n, stream,
+                           out=gall[r0:r0 + n], ldo=ldg)
+                g = gall[r0:r0 + n, :V]
+            else:
+                steps.rows(MODE_GRAD if grads else MODE_LOSS, ws, bias, target, cw, stats, None, one, None, lse,
+                           row_loss, r0, n, stream)
+                g = gview[:n, :V]
             if not grads:
                 continue
-            g = gview[:n, :V]
             if need_dx and H:
                 _matmul.gemm(g, w, dx_buf[r0:r0 + n])
-            if need_dw and H and not plan.recompute:
+            if need_dw and H and not plan.recompute and not stored:
                 _matmul.gemm(g.T, x[r0:r0 + n], dw_buf, alpha=plan.dw_alpha(), beta=0.0 if i == 0 else 1.0)
             if need_db:
                 steps.colsum(g, ldg, partial, db_buf, n, i == 0, stream)
+        if stored:
+            dw_buf = gall
         if need_dw and plan.recompute:
             # every view of the first pass's workspace goes (the loop's `g` too): dW takes its place
             del ws, gview, partial, g

@@ -12,6 +12,9 @@ Autograd (first order; a double backward raises):
   as it goes (dx, dW and db, in float32 by default) and returns them as extra, non-differentiable
   outputs; the backward scales them by the reduction's scale (a device scalar) times the upstream
   gradient and rounds them once to the inputs' dtypes (:func:`cukit.ops.linear_cross_entropy.scale_cast_gpu`).
+  Where the logit gradients of all tokens are no larger than a float32 dW (16-bit inputs, tokens
+  <= 2 x hidden), the forward returns those instead of dW, and the backward makes dW from them in
+  one GEMM over all tokens (:func:`cukit.ops.linear_cross_entropy.stored_dw_gpu`).
   It then releases them: a second backward through the same graph (``retain_graph=True``)
   recomputes them like 'none' does, unless ``LinearCrossEntropyOptions(allow_retain_graph=True)``
   kept them.
@@ -66,6 +69,12 @@ def _grad_dtype(x: Tensor, accumulate: str) -> torch.dtype:
     return _acc(x.dtype) if accumulate == "float32" else x.dtype
 
 
+def _stored(x: Tensor, w: Tensor, accumulate: str, reduction: str) -> bool:
+    """Whether the forward's dW buffer is the stored logit gradient (see stores_logit_grads)."""
+    return x.device.type == "cuda" and _op.stores_logit_grads(
+        x.shape[0], x.shape[1], w.shape[0], str(x.dtype).removeprefix("torch."), accumulate, reduction)
+
+
 def _none(t: Tensor | None) -> Tensor | None:
     """A buffer output as autograd's bookkeeping wants it: None when absent (an empty tensor)."""
     return None if t is None or (t.ndim == 1 and t.shape[0] == 0) else t
@@ -107,9 +116,10 @@ def _buffer_shapes(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | N
     V = linear_weight.shape[0]
     grads = input.device.type == "cuda" and reduction != "none" and any(flags)
     gdt = _grad_dtype(input, accumulate)
+    dw = ((T, _op.stored_ld(V)), input.dtype) if _stored(input, linear_weight, accumulate, reduction) else ((V, H), gdt)
     return [
         ((T, H), gdt) if grads and flags[0] else ((0,), input.dtype),
-        ((V, H), gdt) if grads and flags[1] else ((0,), input.dtype),
+        dw if grads and flags[1] else ((0,), input.dtype),
         ((V,), _acc(input.dtype)) if grads and flags[2] and linear_bias is not None else ((0,), input.dtype),
     ]
 
@@ -141,6 +151,7 @@ def _lce_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: 
     # The forward's gradients, held as attributes (detached: as outputs they would link back to
     # this node) so the backward can release them early; None where absent.
     ctx.bufs = [_none(t.detach()) for t in (dx_buf, dw_buf, db_buf)]
+    ctx.stored = _stored(x, w, accumulate, reduction)
     ctx.precomputed = x.is_cuda and reduction != "none" and any(t is not None for t in ctx.bufs)
 
 
@@ -193,7 +204,18 @@ def _finish(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, b: T
             continue
         if not keep:
             ctx.bufs[i] = None  # this backward holds the only reference: freed once rounded
-        if direct:
+        if i == 1 and ctx.stored:  # the logit gradient G: dW = scale * g_loss * G^T x
+            V = w.shape[0]
+            if direct:
+                outs[i] = _op.stored_dw_gpu(buf, x, V, str(w.dtype).removeprefix("torch."), scale, g_loss)
+            else:
+                g = buf[:, :V].t()
+                try:  # float32 products of the 16-bit operands, as the kernels
+                    prod = torch.mm(g, x, out_dtype=torch.float32)
+                except (TypeError, RuntimeError):
+                    prod = g.float() @ x.float()
+                outs[i] = (prod * (scale[0] * g_loss.float())).to(w.dtype)
+        elif direct:
             outs[i] = _op.scale_cast_gpu(buf, str(targets[i]).removeprefix("torch."), scale, g_loss,
                                          factors[i], inplace=not ctx.retain)
         else:  # compile / functorch: torch ops (inductor fuses them into one pass)

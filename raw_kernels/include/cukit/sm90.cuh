@@ -180,6 +180,32 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// ------------------------------------------------------------------------------ clusters
+// Thread-block clusters (sm_90; a kernel declares its cluster with __cluster_dims__): a barrier
+// over every thread of the cluster whose arrive releases, and whose wait acquires, the threads'
+// earlier memory operations at cluster scope; and loads from another CTA's shared memory.
+// Compiled to nothing below sm_90, where no cluster kernel is built.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The cluster-window address of `addr` (this CTA's shared memory) in CTA `rank` of the cluster.
+__device__ __forceinline__ u32 dsmem_addr(u32 addr, u32 rank) {
+  u32 r = addr;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+#endif
+  return r;
+}
+__device__ __forceinline__ float ld_dsmem_f32(u32 addr) {
+  float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // ------------------------------------------------------------------------------ TMA
 struct __align__(64) Map {  // a CUtensorMap, opaque, passed by value (__grid_constant__)
   u64 v[16];
