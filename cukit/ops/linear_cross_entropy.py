@@ -192,7 +192,11 @@ class LinearCrossEntropyOptions:
             upstream gradient (e.g. a GradScaler's scale) are applied: the same single rounding as
             torch's ``F.linear`` + ``F.cross_entropy``. Costs a float32 dW (``V x H x 4`` bytes)
             while the loss is alive, plus the rounded copy when the backward runs: 3 GiB at
-            V = 128,256 x H = 4,096 (bf16 dW alone is 1 GiB).
+            V = 128,256 x H = 4,096 (bf16 dW alone is 1 GiB). Where every token's logit gradient
+            (``T x V`` in the input dtype) is no larger (16-bit inputs, T <= 2 H:
+            :func:`stores_logit_grads`), the forward keeps that instead and the backward makes dW
+            from it in one GEMM over all tokens: the same rounding and peak, and no float32 dW
+            read and written per chunk.
             "input" (opt-in approximation, minimum memory): dx and dW are written in the input
             dtype; dW accumulates over chunks inside each chunk's GEMM (fp32 within the GEMM, one
             rounding per chunk, ``ceil(T / Tc)`` in all: relative error about
