@@ -159,6 +159,42 @@ template <typename T, typename A, bool FAST> struct Logit {
   }
 };
 
+// One row's loss (see the file header; 0 when ignored, NaN for a bad target), from its lse, its
+// target's logit z_y and wz = sum_c w_c z_c (label smoothing's term).
+template <typename A>
+__device__ __forceinline__ A row_loss_of(bool valid, bool bad, A w_y, A eps, A zl, A V, A w_total, A lse, A z_y, A wz) {
+  if (!valid) return A(0);
+  if (bad) return quiet_nan<A>();
+  A loss = (A(1) - eps) * w_y * (lse - z_y);
+  if (eps != A(0)) loss += eps / V * (w_total * lse - wz);
+  if (zl != A(0)) loss += zl * lse * lse;
+  return loss;
+}
+
+// One row's gradient, g_c = (cp p_c - cy [c = y] - cwc w_c) cap'(z_c) with p_c = exp(z_c - lse), for
+// the upstream gradients u (of the row's loss) and v (of its lse).
+template <typename A, bool FAST> struct RowGrad {
+  A cp, cy, cwc, lse;
+  __device__ __forceinline__ RowGrad(bool valid, bool bad, A w_y, A u, A v, A eps, A zl, A V, A w_total, A lse_)
+      : cp(v), cy(A(0)), cwc(A(0)), lse(lse_) {
+    if (valid) {
+      const A a = (A(1) - eps) * w_y;
+      cp += u * (a + eps / V * w_total + A(2) * zl * lse);
+      cy = u * a;
+      cwc = u * eps / V;
+      if (bad) cp = cy = cwc = quiet_nan<A>();
+    }
+  }
+  // element c (target column y_col, class weights cw from the row's first column) of logit z
+  template <typename T, typename L>
+  __device__ __forceinline__ T operator()(A z, long long c, long long y_col, const A* cw, const L& logit) const {
+    A g = cp * exp_<FAST>(z - lse);
+    if (cwc != A(0)) g -= cwc * (cw != nullptr ? cw[c] : A(1));
+    if (c == y_col) g -= cy;
+    return from_acc<T>(g * logit.slope(z));
+  }
+};
+
 // Pass 2 may write row r's gradient as T over the row's own A values. When T is narrower than A
 // (sizeof(A) == 2 sizeof(T)) element c of the gradient lands on A element c / 2, which another
 // thread may not have read yet: iteration k (vectors [k B, (k + 1) B) of a B-thread block) writes
@@ -253,15 +289,8 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
       const Lse<A> all = block_lse<FAST>(acc, red);
       row_lse = all.m + log_(all.s);
       if (tid == 0) {
-        A loss = A(0);
-        if (valid) {
-          loss = (A(1) - eps) * w_y * (row_lse - z_y);
-          if (eps != A(0)) loss += eps / A(Vtot) * (w_total * row_lse - all.t);  // all.t = sum_c w_c z_c
-          if (zl != A(0)) loss += zl * row_lse * row_lse;
-          if (bad) loss = quiet_nan<A>();
-        }
         lse[r] = row_lse;
-        row_loss[r] = loss;
+        row_loss[r] = row_loss_of(valid, bad, w_y, eps, zl, A(Vtot), w_total, row_lse, z_y, all.t);
       }
     } else {
       row_lse = lse[r];
@@ -276,21 +305,9 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
         u = row_grad != nullptr ? row_grad[r] : grad0[0] * stats[1];
         if (lse_grad != nullptr) v = lse_grad[r];
       }
-      A cp = v, cy = A(0), cwc = A(0);
-      if (valid) {
-        const A a = (A(1) - eps) * w_y;
-        cp += u * (a + eps / A(Vtot) * w_total + A(2) * zl * row_lse);
-        cy = u * a;
-        cwc = u * eps / A(Vtot);
-        if (bad) cp = cy = cwc = quiet_nan<A>();
-      }
+      const RowGrad<A, FAST> rg(valid, bad, w_y, u, v, eps, zl, A(Vtot), w_total, row_lse);
       T* grow = gout + r * ldg;
-      auto grad = [&](A z, long long c) {
-        A g = cp * exp_<FAST>(z - row_lse);
-        if (cwc != A(0)) g -= cwc * (cw_cols != nullptr ? cw_cols[c] : A(1));
-        if (c == y_col) g -= cy;
-        return from_acc<T>(g * logit.slope(z));
-      };
+      auto grad = [&](A z, long long c) { return rg.template operator()<T>(z, c, y_col, cw_cols, logit); };
       // The tail is never overwritten by the vector loop (it writes T elements < tail0, i.e. A
       // elements < tail0 / 2): read it first, write it after the loop's last reads.
       A tz = A(0);
@@ -437,15 +454,8 @@ ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict
         total = p;
         const A row_lse = p.m + log_(p.s);
         if (q == 0) {
-          A loss = A(0);
-          if (valid) {
-            loss = (A(1) - eps) * w_y * (row_lse - z_y);
-            if (eps != A(0)) loss += eps / A(V) * (w_total * row_lse - p.t);
-            if (zl != A(0)) loss += zl * row_lse * row_lse;
-            if (bad) loss = quiet_nan<A>();
-          }
           lse[r] = row_lse;
-          row_loss[r] = loss;
+          row_loss[r] = row_loss_of(valid, bad, w_y, eps, zl, A(V), w_total, row_lse, z_y, p.t);
         }
       }
     }
@@ -453,21 +463,9 @@ ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict
     const Lse<A> all = total;
     const A row_lse = all.m + log_(all.s);
 
-    // The gradient, g_c = cp p_c - cy [c = y] - cwc w_c, from the registers.
-    A cp = A(0), cy = A(0), cwc = A(0);
-    if (valid) {
-      const A a = (A(1) - eps) * w_y;
-      cp = u * (a + eps / A(V) * w_total + A(2) * zl * row_lse);
-      cy = u * a;
-      cwc = u * eps / A(V);
-      if (bad) cp = cy = cwc = quiet_nan<A>();
-    }
-    auto grad = [&](A z, int c) {
-      A g = cp * exp_<FAST>(z - row_lse);
-      if (cwc != A(0)) g -= cwc * (cw != nullptr ? cw[c] : A(1));
-      if (c == y) g -= cy;
-      return from_acc<T>(g * logit.slope(z));
-    };
+    // The gradient, from the registers.
+    const RowGrad<A, FAST> rg(valid, bad, w_y, u, A(0), eps, zl, A(V), w_total, row_lse);
+    auto grad = [&](A z, int c) { return rg.template operator()<T>(z, c, y, cw, logit); };
     T* grow = gout + r * ldg;
 #pragma unroll
     for (int k = 0; k < R; ++k) {

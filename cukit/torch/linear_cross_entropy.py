@@ -212,7 +212,7 @@ def _finish(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, b: T
                 g = buf[:, :V].t()
                 try:  # float32 products of the 16-bit operands, as the kernels
                     prod = torch.mm(g, x, out_dtype=torch.float32)
-                except (TypeError, RuntimeError):
+                except TypeError:  # a torch without mm's out_dtype
                     prod = g.float() @ x.float()
                 outs[i] = (prod * (scale[0] * g_loss.float())).to(w.dtype)
         elif direct:
