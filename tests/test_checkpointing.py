@@ -440,7 +440,11 @@ def test_hf_llama_with_patch(order):
     steps = [cnn.patch, cnn.checkpoint_modules]
     for step in steps if order == "patch_then_checkpoint" else steps[::-1]:
         step(ours)
-    assert ours.cukit_patch_report.counts == ref.cukit_patch_report.counts
+    counts = dict(ref.cukit_patch_report.counts)
+    if order == "checkpoint_then_patch":  # a checkpointed layer needs no recompute scope
+        counts["recompute"] -= 2
+    assert ours.cukit_patch_report.counts == counts
+    assert not ours.cukit_patch_report.skipped
     assert ours.cukit_checkpoint_report.wrapped == ["model.layers.0", "model.layers.1"]
     ids = torch.randint(0, 128, (2, 9))
     assert_same(llama_step(ref, ids), llama_step(ours, ids))

@@ -329,10 +329,12 @@ def tiny_gpt2() -> nn.Module:
 
 @pytest.mark.parametrize(("make", "counts"), [
     # per layer a gated MLP, a rotary embedding, 2 RMSNorms; the final norm; the labels loss. The
-    # linears stay torch's: the MLPs' activation is the gated kernel's, so none has one to fuse
-    (tiny_llama, {"gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5}),
-    # c_fc + GELU per layer (c_fc becomes cukit's Conv1D); 2 LayerNorms per layer and the final one
-    (tiny_gpt2, {"fuse_activations": 2, "layer_norm": 5}),
+    # linears stay torch's: the MLPs' activation is the gated kernel's, so none has one to fuse.
+    # recompute: the parents of the norms and gated activations (model, layers, MLPs)
+    (tiny_llama, {"gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5, "recompute": 5}),
+    # c_fc + GELU per layer (c_fc becomes cukit's Conv1D); 2 LayerNorms per layer and the final one;
+    # recompute: the blocks and the model
+    (tiny_gpt2, {"fuse_activations": 2, "layer_norm": 5, "recompute": 3}),
 ])
 def test_transformers_models(make, counts):
     ref, ours = pair(make, torch.float64)
@@ -369,9 +371,9 @@ def test_default_patch_of_causal_lms_same_loss_and_gradients(family):
     ours = cukit.nn.patch(copy.deepcopy(ref))
     counts = ours.cukit_patch_report.counts
     if family == "gpt2":
-        assert counts == {"fuse_activations": 2, "layer_norm": 5}, str(ours.cukit_patch_report)
+        assert counts == {"fuse_activations": 2, "layer_norm": 5, "recompute": 3}, str(ours.cukit_patch_report)
     else:
-        assert counts == {"gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5}, str(ours.cukit_patch_report)
+        assert counts == {"gated_mlp": 2, "rope": 2, "lm_head_loss": 1, "rms_norm": 5, "recompute": 5}, str(ours.cukit_patch_report)
     assert ours.state_dict().keys() == ref.state_dict().keys()
     ids = torch.randint(0, 128, (2, 9))
     labels = ids.clone()

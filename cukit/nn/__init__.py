@@ -10,6 +10,7 @@ from cukit.nn.glu import GatedActivation  # (registers the patch rule "gated_mlp
 from cukit.nn.linear import Conv1D, Linear
 from cukit.nn.loss import LinearCrossEntropy  # (registers the patch rule "lm_head_loss")
 from cukit.nn.norm import LayerNorm, RMSNorm  # (registers the patch rules "rms_norm", "layer_norm")
+from cukit.nn.recompute import recomputing  # (registers the patch rule "recompute", run last)
 
 __all__ = [
     "BiasAct",
@@ -28,5 +29,6 @@ __all__ = [
     "checkpoint_policy",
     "forward_with_chunking",
     "patch",
+    "recomputing",
     "register_rule",
 ]

@@ -27,7 +27,9 @@ from torch import nn
 
 from cukit.nn.linear import Conv1D, Linear
 
-__all__ = ["RULES", "Change", "PatchContext", "PatchReport", "Rule", "activation_of", "patch", "register_rule"]
+__all__ = [
+    "RULES", "Change", "PatchContext", "PatchReport", "Rule", "activation_of", "derived_class", "patch", "register_rule",
+]
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -109,25 +111,29 @@ class Rule:
     visit: Visit
     default: bool = True
     doc: str = ""
+    last: bool = False
 
 
 RULES: dict[str, Rule] = {}
 _OPTIONS = ("inplace", "verbose", "linear_types")
 
 
-def register_rule(name: str, *, default: bool = True, before: str | None = None) -> Callable[[Visit], Visit]:
+def register_rule(name: str, *, default: bool = True, before: str | None = None,
+                  last: bool = False) -> Callable[[Visit], Visit]:
     """Decorator: add `visit` to :data:`RULES` as rule `name`, which becomes ``patch``'s keyword
     switch `name` (default `default`). Rules run in registration order, or just before rule
-    `before` (e.g. a whole-block kernel must see the block before ``fuse_activations`` does)."""
+    `before` (e.g. a whole-block kernel must see the block before ``fuse_activations`` does);
+    `last` rules run after all others (they act on what the swaps made), in registration order."""
 
     def add(visit: Visit) -> Visit:
         if name in RULES or name in _OPTIONS or not name.isidentifier():
             raise ValueError(f"cukit.nn.patch: rule name {name!r} is taken or not an identifier")
         if before is not None and before not in RULES:
             raise ValueError(f"cukit.nn.patch: no rule {before!r} to insert {name!r} before; rules: {', '.join(RULES)}")
-        rule = Rule(name, visit, default, (visit.__doc__ or "").strip().split("\n")[0])
+        rule = Rule(name, visit, default, (visit.__doc__ or "").strip().split("\n")[0], last)
         items = list(RULES.items())
-        at = len(items) if before is None else list(RULES).index(before)
+        first_last = next((i for i, (_, r) in enumerate(items) if r.last), len(items))
+        at = len(items) if last else first_last if before is None else min(list(RULES).index(before), first_last)
         RULES.clear()
         RULES.update([*items[:at], (name, rule), *items[at:]])
         return visit
@@ -268,6 +274,17 @@ def _instance_forward(m: nn.Module) -> str | None:
     if "forward" in vars(m):
         return f"{type(m).__name__}.forward is replaced on the instance (an accelerate hook?)"
     return None
+
+
+def derived_class(cls: type, tag: str | None, **attrs: object) -> type:
+    """A subclass of `cls` with `attrs` (a new forward, markers), for a rule's class swap: the same
+    name and module, so isinstance, reprs and class-name lookups keep working. `tag` marks the
+    qualified name (``Cls.<cukit tag>``), so that pickling a whole patched module fails loudly
+    instead of loading the unpatched class: save state_dicts."""
+    qualname = cls.__qualname__ if tag is None else f"{cls.__qualname__}.<cukit {tag}>"
+    return type(cls.__name__, (cls,), {
+        "__module__": cls.__module__, "__qualname__": qualname, "__doc__": cls.__doc__, **attrs,
+    })
 
 
 def _hooks(m: nn.Module, *, inputs_too: bool) -> str | None:

@@ -13,7 +13,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from cukit.nn._patch import Change, PatchContext, _hooks, _instance_forward, activation_of, register_rule
+from cukit.nn._patch import (
+    Change,
+    PatchContext,
+    _hooks,
+    _instance_forward,
+    activation_of,
+    derived_class,
+    register_rule,
+)
+from cukit.nn.recompute import RECORDERS, record
 from cukit.ops.glu import GLU_ACTIVATIONS, glu_activation_id
 from cukit.torch.glu import glu
 
@@ -39,10 +48,16 @@ class GatedActivation(nn.Module):
         self.activation = activation
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return glu(gate, up, self.activation)
+        act = self.activation
+        y = glu(gate, up, act)
+        record(y, lambda: glu(gate, up, act), (gate, up), "cukit.nn.GatedActivation")
+        return y
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+RECORDERS.append(GatedActivation)  # its output can be recomputed (cukit.nn.recompute)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,12 +136,7 @@ def _patched_class(cls: type) -> type:
     unpatched forward beside a GatedActivation: save state_dicts)."""
     sub = _PATCHED.get(cls)
     if sub is None:
-        sub = type(cls.__name__, (cls,), {
-            "forward": _gated_forward,
-            "__module__": cls.__module__,
-            "__qualname__": f"{cls.__qualname__}.<cukit gated_mlp>",
-            "__doc__": cls.__doc__,
-        })
+        sub = derived_class(cls, "gated_mlp", forward=_gated_forward)
         _PATCHED[cls] = sub
     return sub
 

@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cukit.nn._patch import Change, PatchContext, _hooks, _instance_forward, _reads, register_rule
+from cukit.nn._patch import (
+    Change,
+    PatchContext,
+    _hooks,
+    _instance_forward,
+    _reads,
+    derived_class,
+    register_rule,
+)
 from cukit.nn.linear import Linear
 from cukit.ops.linear_cross_entropy import check_spec, resolve_options
 from cukit.torch.linear_cross_entropy import linear_cross_entropy
@@ -221,10 +229,7 @@ def _patched_class(cls: type, softcap: bool) -> type:
         result = type(out)(loss=loss, **fields)  # logits=None: the point is never to make them
         return result if return_dict else result.to_tuple()
 
-    sub = type(cls.__name__, (cls,), {
-        "forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__, "_cukit_lm_head_loss": True,
-    })
+    sub = derived_class(cls, None, forward=forward, _cukit_lm_head_loss=True)
     _PATCHED[cls] = sub
     return sub
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from cukit.nn._patch import Change, PatchContext, _instance_forward, _type_name, register_rule
+from cukit.nn.recompute import RECORDERS, record
 from cukit.ops.norm import check_cast, check_number
 from cukit.torch.norm import layer_norm as cukit_layer_norm
 from cukit.torch.norm import rms_norm as cukit_rms_norm
@@ -62,7 +63,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cukit_rms_norm(x, self.weight, self.eps, offset=self.offset, cast=self.cast)
+        w, eps, offset, cast = self.weight, self.eps, self.offset, self.cast
+        y = cukit_rms_norm(x, w, eps, offset=offset, cast=cast)
+        record(y, lambda: cukit_rms_norm(x, w, eps, offset=offset, cast=cast), (x, w), "cukit.nn.RMSNorm")
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}, cast={self.cast!r}"
@@ -85,7 +89,14 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:
             return super().forward(x)
-        return cukit_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        shape, w, b, eps = self.normalized_shape, self.weight, self.bias, self.eps
+        y = cukit_layer_norm(x, shape, w, b, eps)
+        inputs = tuple(t for t in (x, w, b) if t is not None)
+        record(y, lambda: cukit_layer_norm(x, shape, w, b, eps), inputs, "cukit.nn.LayerNorm")
+        return y
+
+
+RECORDERS.extend((RMSNorm, LayerNorm))  # their outputs can be recomputed (cukit.nn.recompute)
 
 
 # ---------------------------------------------------------------------------------------------

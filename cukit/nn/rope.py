@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cukit.nn._patch import Change, PatchContext, _instance_forward, register_rule
+from cukit.nn._patch import Change, PatchContext, _instance_forward, derived_class, register_rule
 from cukit.ops.rope import reference_torch
 from cukit.torch._register import FLOATS
 from cukit.torch.rope import rotary_embedding
@@ -227,12 +227,7 @@ def _patched_class(cls: type) -> type | str:
     sub = _PATCHED.get(cls)
     if sub is None:
         forward, why = _rebuilt_forward(cls.forward)  # type: ignore[attr-defined]
-        sub = why if forward is None else type(cls.__name__, (cls,), {
-            "forward": forward,
-            "__module__": cls.__module__,
-            "__qualname__": f"{cls.__qualname__}.<cukit rope>",
-            "__doc__": cls.__doc__,
-        })
+        sub = why if forward is None else derived_class(cls, "rope", forward=forward)
         _PATCHED[cls] = sub
         if isinstance(sub, type):
             _SUBCLASSES.add(sub)
