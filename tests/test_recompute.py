@@ -208,3 +208,24 @@ def test_hf_llama_patched_gradients_with_and_without_recompute():
     for (n, p), q in zip(off.named_parameters(), on.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
     assert not rc._LIVE
+
+
+def test_views_with_offsets_are_remade_in_place():
+    """Ops that save slices of a recorded output get the same slices of the remade one."""
+    torch.manual_seed(1)
+    norm = cukit.nn.RMSNorm(16, dtype=torch.float64)
+    w = torch.randn(16, 12, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(4, 12, dtype=torch.float64, requires_grad=True)
+
+    def run(scope: bool) -> list[torch.Tensor]:
+        x = torch.linspace(-2, 3, 5 * 16, dtype=torch.float64).reshape(5, 16).requires_grad_()
+        with cukit.nn.recomputing() if scope else torch.enable_grad():
+            y = norm(x)
+            loss = (y[1:] @ w).square().sum() + (y[1:, 4:] * c).sum()
+        loss.backward()
+        out = [x.grad, norm.weight.grad, w.grad, c.grad]
+        norm.weight.grad = w.grad = c.grad = None
+        return out
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)

@@ -109,7 +109,8 @@ def _forget(key: int, ref: weakref.ref) -> None:
 def record(out: torch.Tensor, fn: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...], where: str) -> None:
     """Inside a scope, note that `out` is remade by ``fn()`` from the tensors `inputs` (which
     `out`'s own backward saves anyway). Called by cukit.nn modules after their forward."""
-    if not _STATE.depth or not out.requires_grad or not out.is_contiguous():
+    # a contiguous tensor of its own (not a view): a saved view of it is remade by its geometry
+    if not _STATE.depth or not out.requires_grad or out._base is not None or not out.is_contiguous():
         return
     key = id(out)
     ref = weakref.ref(out, functools.partial(_forget, key))
@@ -125,7 +126,7 @@ def _pack(t: torch.Tensor) -> Any:
         return t
     recipe = hit[1]
     recipe.pending += 1
-    return _Saved(recipe, None if t is base else (t.shape, t.stride(), t.storage_offset()))
+    return _Saved(recipe, None if t is base else (t.shape, t.stride(), t.storage_offset() - base.storage_offset()))
 
 
 def _unpack(p: Any) -> torch.Tensor:
