@@ -406,3 +406,21 @@ def test_gpu_patched_models_match(make, dtype):
     # fp32: sums in another order; bf16: torch rounds the linear's output before the activation, cukit after
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y2.float(), y1.float(), rtol=tol, atol=tol)
+
+
+def test_last_rules_stay_last():
+    """A rule registered without `before` goes ahead of the `last` rules (recompute acts on what the
+    swaps made); a `last` rule goes after them."""
+    from cukit.nn._patch import RULES, register_rule
+
+    def _none(name, m, ctx):
+        return []
+
+    try:
+        register_rule("plain_probe")(_none)
+        register_rule("last_probe", last=True)(_none)
+        names = list(RULES)
+        assert names[-3:] == ["plain_probe", "recompute", "last_probe"]
+    finally:
+        RULES.pop("plain_probe", None)
+        RULES.pop("last_probe", None)
