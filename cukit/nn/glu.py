@@ -50,7 +50,7 @@ class GatedActivation(nn.Module):
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         act = self.activation
         y = glu(gate, up, act)
-        record(y, lambda: glu(gate, up, act), (gate, up), "cukit.nn.GatedActivation")
+        record(y, lambda: glu(gate, up, act), "cukit.nn.GatedActivation", gate, up)
         return y
 
     def extra_repr(self) -> str:

@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, eps, offset, cast = self.weight, self.eps, self.offset, self.cast
         y = cukit_rms_norm(x, w, eps, offset=offset, cast=cast)
-        record(y, lambda: cukit_rms_norm(x, w, eps, offset=offset, cast=cast), (x, w), "cukit.nn.RMSNorm")
+        record(y, lambda: cukit_rms_norm(x, w, eps, offset=offset, cast=cast), "cukit.nn.RMSNorm", x, w)
         return y
 
     def extra_repr(self) -> str:
@@ -91,8 +91,7 @@ class LayerNorm(nn.LayerNorm):
             return super().forward(x)
         shape, w, b, eps = self.normalized_shape, self.weight, self.bias, self.eps
         y = cukit_layer_norm(x, shape, w, b, eps)
-        inputs = tuple(t for t in (x, w, b) if t is not None)
-        record(y, lambda: cukit_layer_norm(x, shape, w, b, eps), inputs, "cukit.nn.LayerNorm")
+        record(y, lambda: cukit_layer_norm(x, shape, w, b, eps), "cukit.nn.LayerNorm", x, w, b)
         return y
 
 

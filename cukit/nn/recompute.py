@@ -106,15 +106,16 @@ def _forget(key: int, ref: weakref.ref) -> None:
         del _LIVE[key]
 
 
-def record(out: torch.Tensor, fn: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...], where: str) -> None:
-    """Inside a scope, note that `out` is remade by ``fn()`` from the tensors `inputs` (which
-    `out`'s own backward saves anyway). Called by cukit.nn modules after their forward."""
+def record(out: torch.Tensor, fn: Callable[[], torch.Tensor], where: str, *inputs: torch.Tensor | None) -> None:
+    """Inside a scope, note that `out` is remade by ``fn()`` from the tensors `inputs` (None ones
+    skipped; `out`'s own backward saves them anyway). Called by cukit.nn modules after their
+    forward; outside a scope it returns at the first test."""
     # a contiguous tensor of its own (not a view): a saved view of it is remade by its geometry
     if not _STATE.depth or not out.requires_grad or out._base is not None or not out.is_contiguous():
         return
     key = id(out)
     ref = weakref.ref(out, functools.partial(_forget, key))
-    _LIVE[key] = (ref, _Recipe(fn, inputs, out, where))
+    _LIVE[key] = (ref, _Recipe(fn, tuple(t for t in inputs if t is not None), out, where))
 
 
 def _pack(t: torch.Tensor) -> Any:
@@ -140,8 +141,11 @@ def _unpack(p: Any) -> torch.Tensor:
     return v if p.view is None else v.as_strided(*p.view)
 
 
-def _other_hooks() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+def _stands_aside() -> bool:
+    """A scope is already active, or one would change nothing or the wrong thing: no grad mode,
+    dynamo tracing, or other saved-tensor hooks (checkpoint) on top."""
+    return (bool(_STATE.depth) or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
 
 
 @contextlib.contextmanager
@@ -158,7 +162,7 @@ def recomputing() -> Iterator[None]:
     See also: ``torch.autograd.graph.saved_tensors_hooks``, ``torch.utils.checkpoint``,
     ``cukit.nn.checkpoint`` (recomputes whole regions).
     """
-    if _STATE.depth or not torch.is_grad_enabled() or torch.compiler.is_compiling() or _other_hooks():
+    if _stands_aside():
         yield
         return
     _STATE.depth += 1
@@ -172,7 +176,7 @@ def recomputing() -> Iterator[None]:
 def _scoped_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _STATE.depth or not torch.is_grad_enabled() or torch.compiler.is_compiling() or _other_hooks():
+        if _stands_aside():  # the common nested case, without a context manager's cost
             return original(self, *args, **kwargs)
         with recomputing():
             return original(self, *args, **kwargs)
