@@ -173,6 +173,7 @@ class Config:
     compile_policy: str = "inductor"  # cukit.torch.set_compile_policy for the cukit side
     patch_linear: bool = False  # cukit.nn.patch(linear=True, conv1d=True): every linear layer cukit's
     loss_accumulation: str | None = None  # the patched HF models' LinearCrossEntropyOptions.grad_accumulation
+    loss_logits: str | None = None  # ... and its logits
     patch_off: tuple[str, ...] = ()  # cukit.nn.patch rules switched off on the cukit side (attribution)
     noise_seeds: int = 2  # stock eager runs from perturbed weights per precision (the noise floor)
     repeats: int = 1  # rounds of every case of a setting, the impls' order alternating
@@ -219,6 +220,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-accumulation", default=None, choices=("float32", "input", "recompute"),
                    help="cukit side: grad_accumulation of the patched LM loss (model.cukit_loss_options; "
                         "default: cukit's default, float32)")
+    p.add_argument("--loss-logits", default=None, choices=("float32", "input"),
+                   help="cukit side: logits precision of the patched LM loss (default: the patch's, 'input': "
+                        "the model's own rounding)")
     p.add_argument("--patch-off", default=None,
                    help="cukit side: comma-separated cukit.nn.patch rules to switch off (e.g. lm_head_loss,rope), "
                         "to attribute a difference to a rule")
@@ -238,8 +242,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.repeats < 1:
         raise SystemExit(f"{NAME}: --repeats must be >= 1")
     cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear, noise_seeds=args.noise_seeds,
-                 repeats=args.repeats,
-                 loss_accumulation=args.loss_accumulation, patch_off=_patch_rules(args.patch_off),
+                 repeats=args.repeats, loss_accumulation=args.loss_accumulation, loss_logits=args.loss_logits,
+                 patch_off=_patch_rules(args.patch_off),
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
     if args.dry_run:
@@ -266,6 +270,8 @@ def results_name(cfg: Config) -> str:
         parts.append("patch-linear")
     if cfg.loss_accumulation:
         parts.append(f"loss-{cfg.loss_accumulation}")
+    if cfg.loss_logits:
+        parts.append(f"logits-{cfg.loss_logits}")
     if cfg.patch_off:
         parts.append("off-" + "-".join(cfg.patch_off))
     if cfg.repeats > 1:
@@ -431,10 +437,11 @@ def _seeded_on_device(cfg: Config, build: Callable[[], Any]) -> Any:
 def _patched_copy(base: Any, cfg: Config) -> Callable[[], Any]:
     def build() -> Any:
         model = cukit_patch(copy.deepcopy(base), cfg.patch_linear, cfg.patch_off)
-        if cfg.loss_accumulation:
+        if cfg.loss_accumulation or cfg.loss_logits:
             import cukit
 
-            model.cukit_loss_options = cukit.LinearCrossEntropyOptions(grad_accumulation=cfg.loss_accumulation)
+            model.cukit_loss_options = cukit.LinearCrossEntropyOptions(
+                grad_accumulation=cfg.loss_accumulation or "float32", logits=cfg.loss_logits or "input")
         return model
 
     return build
@@ -1029,6 +1036,7 @@ def run(cfg: Config) -> Bench:
     b.meta["compile_policy"] = cfg.compile_policy
     b.meta["patch_linear"] = cfg.patch_linear
     b.meta["loss_accumulation"] = cfg.loss_accumulation
+    b.meta["loss_logits"] = cfg.loss_logits
     b.meta["patch_off"] = list(cfg.patch_off)
     if any(s.startswith("compile") for s in cfg.settings):
         harness.configure_dynamo()

@@ -1,10 +1,12 @@
 // cross_entropy.cu: the row kernels of cukit.linear_cross_entropy. Host side, chunking and the
 // references (the maths of every kernel, in torch): cukit/ops/linear_cross_entropy.py.
 //
-// The host loops over chunks of tokens: a GEMM writes a chunk's raw logits x_c @ W^T into an A
-// workspace (A = acc_t<T>: fp32, fp64 for fp64) with row stride `ld`; ce_rows turns each row into
-// its log-sum-exp, its loss and (optionally) its gradient d loss / d logits, written over the same
-// row as T; two GEMMs then read that gradient for dx and dW. One row is
+// The host loops over chunks of tokens: a GEMM writes a chunk's raw logits x_c @ W^T into a
+// workspace of W elements with row stride `ld`: W = acc_t<T> (fp32, fp64 for fp64: the GEMM's
+// sums unrounded), or W = T for 16-bit inputs (logits="input": the product rounded once to the
+// input dtype, as F.linear rounds it). ce_rows turns each row into its log-sum-exp, its loss and
+// (optionally) its gradient d loss / d logits, written over the same row as T; two GEMMs then read
+// that gradient for dx and dW. Everything after the load is computed in A = acc_t<T>. One row is
 //   z_c = cap(raw_c + b_c),  cap(u) = s tanh(u / s) (softcap s > 0) or u,
 //   lse = log sum_c exp z_c,
 //   loss = (1 - eps) w_y (lse - z_y) + (eps / V) (W lse - sum_c w_c z_c) + zl lse^2  (0 if ignored)
@@ -17,7 +19,7 @@
 //
 // Workspace layout: row r starts at ws + r * ld (ld a multiple of the 16-byte vector, rows 16-byte
 // aligned). The gradient of row r is written as T at gout + r * ldg: over the row itself (gout ==
-// ws, ldg = ld * sizeof(A) / sizeof(T): the gradient needs no memory of its own), or into a
+// ws, ldg = ld * sizeof(W) / sizeof(T): the gradient needs no memory of its own), or into a
 // separate buffer (the forward that stores every token's gradient for one dW GEMM later).
 #include <cukit/dtypes.cuh>
 #include <cukit/sm90.cuh>
@@ -195,19 +197,20 @@ template <typename A, bool FAST> struct RowGrad {
   }
 };
 
-// Pass 2 may write row r's gradient as T over the row's own A values. When T is narrower than A
-// (sizeof(A) == 2 sizeof(T)) element c of the gradient lands on A element c / 2, which another
-// thread may not have read yet: iteration k (vectors [k B, (k + 1) B) of a B-thread block) writes
-// over the A elements read in iteration k / 2. So there is a barrier between the reads and the
+// Pass 2 may write row r's gradient as T over the row's own W values. When T is as wide as W, each
+// thread writes exactly the elements it has just read. When T is narrower (sizeof(W) ==
+// 2 sizeof(T)) element c of the gradient lands on W element c / 2, which another thread may not
+// have read yet: iteration k (vectors [k B, (k + 1) B) of a B-thread block) writes over the W
+// elements read in iteration k / 2. So there is a barrier between the reads and the
 // writes of iteration 0 and one at the start of every iteration k that is a power of two: all reads
 // of iterations < k are then done before any write of iterations [k, 2k). About log2(V / (4 B))
 // barriers per row, not one per iteration. Nothing read is ever written first (writes trail reads),
 // so the loads need no coherence beyond program order.
 //
 // Arguments (ws and gout may alias: no __restrict__ on them):
-//   ws (rows, ld) A        raw logits in
+//   ws (rows, ld) W        raw logits in (W: A, or T for 16-bit T)
 //   gout (rows, ldg) T     MODE_GRAD/REGRAD: the gradient out, over ws or elsewhere (the layout above);
-//                          (16-byte aligned rows, ldg a multiple of 4 elements)
+//                          (16-byte aligned rows, ldg a multiple of 16 / sizeof(W) elements)
 //   bias (Vtot,) T or null; target (rows,) Y; cw (Vtot,) A class weights or null
 //   stats: [scale of the loss, scale of the gradient, sum of the class weights] (ce_stats)
 //   row_grad (rows,) A or null: u per row (MODE_REGRAD, reduction 'none'); else
@@ -218,8 +221,8 @@ template <typename A, bool FAST> struct RowGrad {
 //   lse_grad (rows,) A or null: v per row (MODE_REGRAD)
 //   lse (rows,) A: written (MODE_LOSS, MODE_GRAD) or read (MODE_REGRAD); row_loss (rows,) A: written
 //   eps, z_loss, softcap: host constants (as double, converted to A)
-template <typename T, typename Y, int MODE>
-__global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ target,
+template <typename T, typename W, typename Y, int MODE>
+__global__ void ce_rows(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ target,
                         const acc_t<T>* __restrict__ cw, const acc_t<T>* __restrict__ stats,
                         const acc_t<T>* __restrict__ row_grad, const acc_t<T>* __restrict__ grad0,
                         const acc_t<T>* __restrict__ lse_grad, acc_t<T>* __restrict__ lse,
@@ -228,9 +231,10 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
                         double z_loss_d, double softcap_d) {
   using A = acc_t<T>;
   constexpr bool FAST = kFast<T>;
-  constexpr int VEC = 16 / sizeof(A);
-  constexpr bool kNarrow = sizeof(T) < sizeof(A);
-  static_assert(sizeof(A) == sizeof(T) || sizeof(A) == 2 * sizeof(T), "T must be A or half its width");
+  constexpr int VEC = 16 / sizeof(W);
+  constexpr bool kNarrow = sizeof(T) < sizeof(W);
+  static_assert(sizeof(W) == sizeof(A) || sizeof(W) == sizeof(T), "the workspace holds A or T");
+  static_assert(sizeof(W) == sizeof(T) || sizeof(W) == 2 * sizeof(T), "T must be W or half its width");
   __shared__ Lse<A> red[kMaxWarps + 1];
   // the barriers of pass 2 order a narrow gradient's writes after the reads of the row it overwrites
   const bool overwrite = kNarrow && static_cast<void*>(gout) == static_cast<void*>(ws);
@@ -247,7 +251,7 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
   const A w_total = stats[2];
 
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-    A* row = ws + r * ld;
+    W* row = ws + r * ld;
     const long long y = static_cast<long long>(target[r]);
     const bool valid = y != ignore_index;
     const bool bad = valid && (y < 0 || y >= Vtot);
@@ -273,19 +277,19 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
       };
       for (long long v = tid; v < nvec; v += 2 * static_cast<long long>(nt)) {
         const long long v2 = v + nt;
-        const Vec<A, VEC> a = load_vec<A, VEC>(row + v * VEC);
-        Vec<A, VEC> b;
-        if (v2 < nvec) b = load_vec<A, VEC>(row + v2 * VEC);
+        const Vec<W, VEC> a = load_vec<W, VEC>(row + v * VEC);
+        Vec<W, VEC> b;
+        if (v2 < nvec) b = load_vec<W, VEC>(row + v2 * VEC);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) take(logit(a.v[k], v * VEC + k), v * VEC + k);
+        for (int k = 0; k < VEC; ++k) take(logit(to_acc<A>(a.v[k]), v * VEC + k), v * VEC + k);
         if (v2 < nvec) {
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) take(logit(b.v[k], v2 * VEC + k), v2 * VEC + k);
+          for (int k = 0; k < VEC; ++k) take(logit(to_acc<A>(b.v[k]), v2 * VEC + k), v2 * VEC + k);
         }
       }
-      if (tail0 + tid < V) take(logit(row[tail0 + tid], tail0 + tid), tail0 + tid);
+      if (tail0 + tid < V) take(logit(to_acc<A>(row[tail0 + tid]), tail0 + tid), tail0 + tid);
       // the target's logit, read before the barriers below (pass 2 may overwrite it after them)
-      const A z_y = tid == 0 && valid && !bad ? logit(row[y], y) : A(0);
+      const A z_y = tid == 0 && valid && !bad ? logit(to_acc<A>(row[y]), y) : A(0);
       const Lse<A> all = block_lse<FAST>(acc, red);
       row_lse = all.m + log_(all.s);
       if (tid == 0) {
@@ -308,23 +312,24 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
       const RowGrad<A, FAST> rg(valid, bad, w_y, u, v, eps, zl, A(Vtot), w_total, row_lse);
       T* grow = gout + r * ldg;
       auto grad = [&](A z, long long c) { return rg.template operator()<T>(z, c, y_col, cw_cols, logit); };
-      // The tail is never overwritten by the vector loop (it writes T elements < tail0, i.e. A
-      // elements < tail0 / 2): read it first, write it after the loop's last reads.
+      // The tail is never overwritten by the vector loop (it writes T elements < tail0, i.e. W
+      // elements < tail0 (or < tail0 / 2 when narrow)): read it first, write it after the loop's
+      // last reads.
       A tz = A(0);
       const bool has_tail = tail0 + tid < V;
-      if (has_tail) tz = logit(row[tail0 + tid], tail0 + tid);
+      if (has_tail) tz = logit(to_acc<A>(row[tail0 + tid]), tail0 + tid);
       for (long long k = 0; k < iters; ++k) {
         if (overwrite && k > 0 && (k & (k - 1)) == 0) __syncthreads();
         const long long vi = k * nt + tid;
-        Vec<A, VEC> a;
-        if (vi < nvec) a = load_vec<A, VEC>(row + vi * VEC);
+        Vec<W, VEC> a;
+        if (vi < nvec) a = load_vec<W, VEC>(row + vi * VEC);
         if (overwrite && k == 0) __syncthreads();
         if (vi < nvec) {
           Vec<T, VEC> out;
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             const long long c = vi * VEC + e;
-            out.v[e] = grad(logit(a.v[e], c), c);
+            out.v[e] = grad(logit(to_acc<A>(a.v[e]), c), c);
           }
           store_vec<T, VEC>(grow + vi * VEC, out);
         }
@@ -343,7 +348,9 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
 // vocabularies its resident rows (blocks x V x 4 bytes) outgrow L2, so the second read goes to
 // DRAM as well. Here a cluster of CL CTAs holds one row in registers, R vectors per thread: every
 // element is read once, the CTAs combine their partial log-sum-exps through distributed shared
-// memory, and the gradient is computed from the registers. Needs V <= CL * blockDim.x * R * VEC.
+// memory, and the gradient is computed from the registers. Needs V <= CL * blockDim.x * R * VEC,
+// VEC = 16 / sizeof(W) (W: the workspace's float or 16-bit T, as in ce_rows; the row is held as
+// float either way, R * VEC floats per thread).
 //
 // Element layout: vector k of thread t in CTA q (q = blockIdx.x, the rank: gridDim.x == CL) is
 // vector (k CL + q) blockDim.x + t of the row (coalesced for each k); rank 0 also holds the
@@ -358,17 +365,18 @@ __global__ void ce_rows(acc_t<T>* ws, T* gout, const T* __restrict__ bias, const
 // results agree with ce_rows up to the order of the sums (not bitwise).
 // -------------------------------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-template <typename T, typename Y, int CL, int R>
-__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512, R <= 8 ? 2 : 1)
-ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ target,
+template <typename T, typename W, typename Y, int CL, int R>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512, R * 16 / sizeof(W) <= 32 ? 2 : 1)
+ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ target,
              const float* __restrict__ cw, const float* __restrict__ stats, const float* __restrict__ row_grad,
              const float* __restrict__ grad0, const float* __restrict__ lse_grad, float* __restrict__ lse,
              float* __restrict__ row_loss, long long col0, long long rows, long long V, long long ld, long long ldg,
              long long Vtot, long long ignore_index, double eps_d, double z_loss_d, double softcap_d) {
   using A = float;
   constexpr bool FAST = kFast<T>;
-  constexpr int VEC = 4;
+  constexpr int VEC = 16 / sizeof(W);
   static_assert(sizeof(acc_t<T>) == sizeof(float), "ce_rows_held runs the float accumulator only");
+  static_assert(sizeof(W) == sizeof(A) || sizeof(W) == sizeof(T), "the workspace holds A or T");
   __shared__ Lse<A> red[kMaxWarps + 1];
   __shared__ Lse<A> part[2];
   __shared__ Lse<A> total;
@@ -376,7 +384,7 @@ ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict
 
   const A eps = A(eps_d), zl = A(z_loss_d);
   const Logit<T, A, FAST> logit{bias, A(softcap_d), softcap_d > 0 ? A(1.0 / softcap_d) : A(0)};
-  // 32-bit column indices: a held row has at most 8 x 512 x 16 x 4 elements
+  // 32-bit column indices: a held row has at most 8 x 512 x 64 floats
   const int nvec = static_cast<int>(V / VEC), tail0 = nvec * VEC;
   const int tid = threadIdx.x, nt = blockDim.x, q = blockIdx.x;
   const bool has_tail = q == 0 && tail0 + tid < V;
@@ -385,21 +393,22 @@ ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict
   int parity = 0;
 
   for (long long r = blockIdx.y; r < rows; r += gridDim.y, parity ^= 1) {
-    A* row = ws + r * ld;
+    W* row = ws + r * ld;
     const long long y = static_cast<long long>(target[r]);
     const bool valid = y != ignore_index;
     const bool bad = valid && (y < 0 || y >= V);
     const A w_y = !valid ? A(0) : bad ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
 
     // Every load first (R vectors in flight per thread), then the logits.
-    Vec<A, VEC> h[R];
+    Vec<W, VEC> raw[R];
 #pragma unroll
     for (int k = 0; k < R; ++k) {
       const int vi = (k * CL + q) * nt + tid;
-      if (vi < nvec) h[k] = load_vec<A, VEC>(row + vi * VEC);
+      if (vi < nvec) raw[k] = load_vec<W, VEC>(row + vi * VEC);
     }
-    A tz = has_tail ? row[tail0 + tid] : A(0);
-    const A z_y = q == 0 && tid == 0 && valid && !bad ? logit(row[y], y) : A(0);
+    A tz = has_tail ? to_acc<A>(row[tail0 + tid]) : A(0);
+    const A z_y = q == 0 && tid == 0 && valid && !bad ? logit(to_acc<A>(row[y]), y) : A(0);
+    Vec<A, VEC> h[R];
     A m = neg_inf<A>();
 #pragma unroll
     for (int k = 0; k < R; ++k) {
@@ -407,7 +416,7 @@ ce_rows_held(float* ws, T* gout, const T* __restrict__ bias, const Y* __restrict
       if (vi < nvec) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          h[k].v[e] = logit(h[k].v[e], vi * VEC + e);
+          h[k].v[e] = logit(to_acc<A>(raw[k].v[e]), vi * VEC + e);
           m = fmax(m, h[k].v[e]);  // NaN is skipped here and poisons the sum below
         }
       }

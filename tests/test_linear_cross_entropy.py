@@ -33,15 +33,19 @@ DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.flo
 
 # ------------------------------------------------------------------------------------- oracle
 def oracle(x, w, y, b=None, cw=None, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-           softcap=None, grad_loss=None, grad_lse=None):
+           softcap=None, grad_loss=None, grad_lse=None, round_product=False):
     """float64 (loss, lse, dx, dW, db) from torch's own F.cross_entropy and autograd, independent of
-    cukit's formulas: z-loss and soft-capping added around it as their definitions say."""
+    cukit's formulas: z-loss and soft-capping added around it as their definitions say.
+    `round_product`: the exact product x W^T rounded to x's dtype before the bias (logits="input";
+    exact where the float32 sums are, see make's `grid`), its gradient passed straight through."""
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
     b64 = None if b is None else b.detach().double().requires_grad_()
     cw64 = None if cw is None else cw.detach().double()
     yy = y.reshape(-1).long()
     z = x64.reshape(-1, w.shape[1]) @ w64.T
+    if round_product:
+        z = z + (z.detach().to(x.dtype).double() - z.detach())
     if b64 is not None:
         z = z + b64
     if softcap:
@@ -140,10 +144,19 @@ def check_grads(got, exp, bounds, tol, dw_tol=None):
 
 
 def make(T, H, V, dtype=torch.float64, *, ignore_frac=0.2, bias=False, weights=False, seed=0, device="cpu",
-         scale=1.0):
+         scale=1.0, grid=False):
+    """Random x (T, H), W (V, H), targets (a fraction ignored), bias and class weights. `grid`: x
+    within +-4 and W within +-1 on grids exact in `dtype` (bfloat16: multiples of 1/8 and 1/32;
+    float16: of 1/64 and 1/256), so that every float32 sum of up to 128 products is exact whatever
+    its order: logits rounded to 16 bits are then the same on every device and in the oracle (and
+    most of them do round)."""
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(T, H, generator=g) * scale).to(device=device, dtype=dtype)
-    w = (torch.randn(V, H, generator=g) / math.sqrt(max(H, 1))).to(device=device, dtype=dtype)
+    x = torch.randn(T, H, generator=g) * scale
+    w = torch.randn(V, H, generator=g) / math.sqrt(max(H, 1))
+    if grid:
+        gx, gw = (64, 256) if dtype == torch.float16 else (8, 32)
+        x, w = (x * gx).round().clamp(-4 * gx, 4 * gx) / gx, (w * gw).round().clamp(-gw, gw) / gw
+    x, w = x.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
     y = torch.randint(0, V, (T,), generator=g)
     if T:
         y[torch.rand(T, generator=g) < ignore_frac] = -100
@@ -328,17 +341,19 @@ def test_cpu_torch_compile_fullgraph(compile_policy: str):
         assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["default", "plain", "options", "large"])
+@pytest.mark.parametrize("case", ["default", "plain", "input-logits", "options", "large"])
 def test_cpu_compile_traces_torch_form_only_for_small_default_calls(compile_policy: str, case: str, monkeypatch):
     # the "inductor" policy traces a default call with small logits as torch's F.linear +
-    # cross-entropy form; explicit options, logits over the limit or the "kernels" policy keep the op
+    # cross-entropy form (also with logits="input", the rounding that form makes); options that
+    # chunk otherwise, logits over the limit or the "kernels" policy keep the op
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     import cukit.torch.linear_cross_entropy as tlce
 
     if case == "large":
         monkeypatch.setattr(tlce, "COMPILE_AS_TORCH_MAX_LOGITS_BYTES", 5 * 6 * 4 - 1)
-    opts = cukit.LinearCrossEntropyOptions() if case == "options" else None
+    opts = {"options": cukit.LinearCrossEntropyOptions(chunk_size=2),
+            "input-logits": cukit.LinearCrossEntropyOptions(logits="input")}.get(case)
     backend = EagerAndRecordGraphs()
     x, w, y, _, _ = make(5, 4, 6, dtype=torch.float32)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -353,7 +368,7 @@ def test_cpu_compile_traces_torch_form_only_for_small_default_calls(compile_poli
 
     out = torch.compile(f, fullgraph=True, backend=backend)(xr, wr, y)
     out.backward()
-    torch_form = compile_policy == "inductor" and case in ("default", "plain")
+    torch_form = compile_policy == "inductor" and case in ("default", "plain", "input-logits")
     if torch_form and case == "plain":
         assert "cross_entropy" in backend.graphs[0].code
     assert ("cukit.linear_cross_entropy" in backend.graphs[0].code) is not torch_form
@@ -397,7 +412,7 @@ class TorchSteps:
         assert (col0, cols) == (0, p.V) or mode == lce.MODE_REGRAD, "a block of classes only for the regrad"
         assert ld is None or ws.shape[1] == ld
         self.calls.append(f"rows{mode}:{r0}+{n}" + (f"@{col0}+{cols}" if cols != p.V else ""))
-        z = ws[:n, :cols].clone()
+        z = ws[:n, :cols].to(DT[p.acc])  # 16-bit logits (logits="input") widened as the kernel loads them
         if bias is not None:
             z = z + bias[col0:col0 + cols].to(z.dtype)
         if sp.softcap:
@@ -467,32 +482,33 @@ def emulated_gemm():
     return mock.patch.object(matmul, "gemm", fake_gemm, create=True)
 
 
-def emulated_plan(x, w, y, spec, tc, accumulate="float32", vb=0):
+def emulated_plan(x, w, y, spec, tc, accumulate="float32", vb=0, logits="float32"):
     dtype = str(x.dtype).removeprefix("torch.")
     acc = "float64" if dtype == "float64" else "float32"
+    wdt = lce.logits_dtype(dtype, logits)
     T, H, V = x.shape[0], x.shape[1], w.shape[0]
-    asize = 8 if acc == "float64" else 4
+    asize = DT[wdt].itemsize
     vb = min(vb, V)
     plan = lce.Plan(T, H, V, max(1, min(tc, T)), lce._ld(V, asize), dtype, acc, spec, accumulate, None, vb,
-                    lce._ld(vb, asize) if vb else 0)
+                    lce._ld(vb, asize) if vb else 0, wdt)
     plan.steps = TorchSteps(plan)
     return plan
 
 
 def emulated_call(x, w, y, b, cw, *, reduction="mean", tc=3, accumulate="float32", grad_loss=None, grad_lse=None,
-                  vb=None, **opts):
+                  vb=None, logits="float32", **opts):
     """The GPU path on the CPU: forward with gradients ('mean'/'sum') and the torch layer's
     finishing, or forward + recomputing backward ('none', or an lse gradient). `vb`: classes per
     block of "recompute" (default 4)."""
     spec = lce.check_spec(reduction, None, opts.get("label_smoothing", 0.0), opts.get("z_loss", 0.0),
                           opts.get("softcap"), False)
     with emulated_gemm():
-        return _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse, vb)
+        return _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse, vb, logits)
 
 
-def _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse, vb=None):
+def _emulated(x, w, y, b, cw, spec, tc, accumulate, reduction, grad_loss, grad_lse, vb=None, logits="float32"):
     vb = (4 if vb is None else vb) if accumulate == "recompute" else 0
-    plan = emulated_plan(x, w, y, spec, tc, accumulate, vb)
+    plan = emulated_plan(x, w, y, spec, tc, accumulate, vb, logits)
     acc = DT[plan.acc]
     cwa = None if cw is None else cw.to(acc)
     precompute = reduction != "none" and grad_lse is None
@@ -547,6 +563,74 @@ def test_cpu_emulated_chunk_loops_match_oracle(T, H, V, tc, reduction, dtype, bi
     # "recompute" rounds the scaled gradients in the forward and multiplies the upstream gradient
     # (random here, not a power of two) after: a second rounding
     check_grads((dx, dw, db), exp[2:], bounds, GRAD_TOL[dtype] * (2 if accumulate == "recompute" else 1))
+
+
+@given(T=st.integers(0, 11), H=st.integers(1, 6), V=st.sampled_from([1, 5, 13, 33]), tc=st.sampled_from([1, 3, 64]),
+       reduction=st.sampled_from(REDUCTIONS), dtype=st.sampled_from(["bfloat16", "float16"]), bias=st.booleans(),
+       weights=st.booleans(), ls=st.sampled_from([0.0, 0.2]), zl=st.sampled_from([0.0, 0.01]),
+       cap=st.sampled_from([None, 4.0]), lse_grad=st.booleans(), ignored=st.sampled_from([0.0, 0.3, 1.0]),
+       seed=st.integers(0, 2**16), accumulate=st.sampled_from(["float32", "input", "recompute"]),
+       vb=st.sampled_from([1, 5, 64]))
+@settings(max_examples=60)
+def test_cpu_emulated_input_logits_match_rounded_oracle(T, H, V, tc, reduction, dtype, bias, weights, ls, zl, cap,
+                                                        lse_grad, ignored, seed, accumulate, vb):
+    # logits="input": a 16-bit workspace (the gradient written over the logits it came from, same
+    # width), every mode, against the oracle whose product is rounded once to the input dtype
+    x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=bias, weights=weights, seed=seed, ignore_frac=ignored,
+                          scale=2.0, grid=True)
+    opts = {"label_smoothing": ls, "z_loss": zl, "softcap": cap}
+    gen = torch.Generator().manual_seed(seed)
+    gl = torch.randn(() if reduction != "none" else (T,), generator=gen, dtype=torch.float64)
+    gz = torch.randn(T, generator=gen, dtype=torch.float64) if lse_grad else None
+    loss, lse, dx, dw, db, plan = emulated_call(x, w, y, b, cw, reduction=reduction, tc=tc, grad_loss=gl,
+                                                grad_lse=gz, accumulate=accumulate, vb=vb, logits="input", **opts)
+    assert plan.wdt == dtype and not plan.narrow
+    exp = oracle(x, w, y, b, cw, reduction=reduction, grad_loss=gl, grad_lse=gz, round_product=True, **opts)
+    assert_close(loss, exp[0], atol=2e-5, rtol=2e-5)
+    assert_close(lse.reshape(-1), exp[1].reshape(-1), atol=2e-5, rtol=2e-5)
+    bounds = grad_bounds(x, w, y, b, cw, reduction=reduction, grad_loss=gl, grad_lse=gz, **opts)
+    tol = GRAD_TOL[dtype] * (2 if accumulate == "recompute" else 1)
+    chunks = -(-T // max(1, min(tc, T))) if T else 1
+    dw_tol = tol * max(1.0, 2 * math.sqrt(chunks)) if accumulate == "input" else None
+    check_grads((dx, dw, db), exp[2:], bounds, tol, dw_tol)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cpu_input_logits_round_the_product_once(dtype):
+    """logits="input" rounds x W^T once to the input dtype, before the bias: on the emulated GPU
+    path, on the CPU path of cukit.linear_cross_entropy (and its gradients), on the registered op
+    and on the NumPy path; logits="float32" does not round."""
+    x, w, y, b, _ = make(64, 16, 50, dtype=DT[dtype], bias=True, scale=2.0, grid=True, seed=5)
+    exp16 = oracle(x, w, y, b, round_product=True)
+    exp32 = oracle(x, w, y, b)
+    lse16 = emulated_call(x, w, y, b, None, tc=16, logits="input")[1]
+    lse32 = emulated_call(x, w, y, b, None, tc=16)[1]
+    assert_close(lse16, exp16[1], atol=2e-5, rtol=2e-5)
+    assert_close(lse32, exp32[1], atol=2e-5, rtol=2e-5)
+    assert float((lse16 - exp32[1]).abs().max()) > 1e-3  # the rounding is there
+    opts = cukit.LinearCrossEntropyOptions(logits="input")
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    loss, lse = cukit.linear_cross_entropy(xr, wr, y, linear_bias=br, options=opts, return_lse=True)
+    loss.backward()
+    assert_close(lse, exp16[1], atol=2e-5, rtol=2e-5)
+    assert_close(loss, exp16[0], atol=2e-5, rtol=2e-5)
+    bounds = grad_bounds(x, w, y, b, None, reduction="mean")
+    check_grads((xr.grad, wr.grad, br.grad), exp16[2:], bounds, GRAD_TOL[dtype])
+    # the registered op (the dispatch path) with its own backward formulas
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    out = torch.ops.cukit.linear_cross_entropy(x, w, y, b, None, "mean", -100, 0.0, 0.0, 0.0, True, 4, "float32",
+                                               False, True, True, True, 0, "input")
+    assert_close(out[1], exp16[1], atol=2e-5, rtol=2e-5)
+    out = torch.ops.cukit.linear_cross_entropy(xr, wr, y, br, None, "none", -100, 0.0, 0.0, 0.0, True, 4, "float32",
+                                               False, True, True, True, 0, "input")
+    out[0].sum().backward()
+    exp_none = oracle(x, w, y, b, reduction="none", round_product=True)
+    check_grads((xr.grad, wr.grad, br.grad), exp_none[2:], grad_bounds(x, w, y, b, None, reduction="none"),
+                GRAD_TOL[dtype])
+    if dtype == "float16":  # NumPy has float16
+        got = cukit.linear_cross_entropy(x.numpy(), w.numpy(), y.numpy(), linear_bias=b.numpy(), options=opts,
+                                         return_lse=True)[1]
+        assert_close(torch.from_numpy(np.asarray(got)), exp16[1], atol=2e-5, rtol=2e-5)
 
 
 def test_stores_logit_grads_rule():
@@ -685,6 +769,16 @@ def test_options_chunking_and_translation():
     assert rc.vocab_block(8192, 100) == 100 and rc.vocab_block(10**7, 128256) == 128
     assert rc.chunk_rows(4096, 32000, 1024) == 512 and rc.vocab_block(4096, 32000, "float64") == 2048
     assert o.vocab_block(8192, 128256) == 0 and lean.vocab_block(8192, 128256) == 0
+    # 16-bit logits: twice the tokens in the same bytes (llama8's head: 2,048 tokens, 501 MiB)
+    i16 = cukit.LinearCrossEntropyOptions(logits="input")
+    assert i16.chunk_rows(8192, 128256, 2048) == 2048 and o.chunk_rows(8192, 128256, 2048) == 1024
+    assert i16.chunk_rows(8192, 128256, 4096, "float32") == 512  # float32 inputs ignore it
+    assert cukit.LinearCrossEntropyOptions(logits="input", grad_accumulation="recompute").vocab_block(8192, 128256) == 4096
+    assert lce.logits_dtype("bfloat16", "input") == "bfloat16" and lce.logits_dtype("float32", "input") == "float32"
+    assert lce.logits_dtype("float16") == "float32" and lce.logits_dtype("float64", "input") == "float64"
+    assert lce.is_default_chunking(i16) and lce.is_default_chunking(o) and not lce.is_default_chunking(lean)
+    with pytest.raises(ValueError, match="logits must be one of 'float32', 'input'; got 'bf16'"):
+        cukit.LinearCrossEntropyOptions(logits="bf16")
     t = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256, acc_policy="compact")
     r = lce.resolve_options(t, 8192, 4096, 128256)
     assert r.chunk_size == 256 and r.grad_accumulation == "input"
@@ -717,6 +811,9 @@ def test_held_config_covers_the_row_and_prefers_two_ctas_per_sm():
         assert (cl, r) in lce.HELD_CONFIGS and threads % 32 == 0 and 32 <= threads <= 512
         assert cl * threads * r * 4 >= v - v % 4  # the tail (< 4 elements) rides on rank 0
         assert cl * (threads - 32) * r * 4 < v or threads == 32  # no idle warp in every CTA
+        # 16-bit logits: vectors of 8, half as many per thread, the same threads and cluster
+        assert lce.held_config(v, "bfloat16", "bfloat16") == (cl, r // 2, threads)
+    assert lce.held_config(128256, "bfloat16", "bfloat16") == (8, 4, 512)
 
 
 def test_bad_input_raises_clear_errors():
@@ -970,6 +1067,32 @@ def test_gpu_shapes_chunks_and_all_ignored(dtype, shape):
     assert torch.isnan(loss) and dx.abs().sum() == 0 and dw.abs().sum() == 0 and db.abs().sum() == 0
 
 
+@pytest.mark.gpu
+@given(T=st.sampled_from([1, 5, 123, 600]), H=st.sampled_from([8, 64, 128]),
+       V=st.sampled_from([1, 3, 127, 1000, 4097, 16387]), reduction=st.sampled_from(REDUCTIONS),
+       dtype=st.sampled_from(["bfloat16", "float16"]), bias=st.booleans(), weights=st.booleans(),
+       ls=st.sampled_from([0.0, 0.1]), zl=st.sampled_from([0.0, 1e-3]), cap=st.sampled_from([None, 10.0]),
+       chunk=st.sampled_from([None, 1, 64, 100]), accumulate=st.sampled_from(["float32", "input", "recompute"]),
+       lse_grad=st.booleans(), ignored=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**16))
+def test_gpu_input_logits_match_rounded_oracle(T, H, V, reduction, dtype, bias, weights, ls, zl, cap, chunk,
+                                               accumulate, lse_grad, ignored, seed):
+    """logits="input": the 16-bit workspace through every kernel (ce_rows in each mode, the held rows
+    at 16,387 classes, the recompute mode's blocks) against the oracle that rounds the exact
+    product (inputs on a grid where every float32 sum is exact, so the roundings agree)."""
+    x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=bias, weights=weights, seed=seed, device="cuda", scale=2.0,
+                          ignore_frac=ignored, grid=True)
+    opts = {"label_smoothing": ls, "z_loss": zl, "softcap": cap}
+    gl = torch.randn(() if reduction != "none" else (T,), device="cuda")
+    gz = torch.randn(T, device="cuda") if lse_grad else None
+    options = cukit.LinearCrossEntropyOptions(chunk_size=chunk, grad_accumulation=accumulate, logits="input")
+    got = _cuda_call(x, w, y, b, cw, reduction=reduction, options=options, grad_loss=gl, grad_lse=gz, **opts)
+    cpu = [None if t is None else t.cpu() for t in (x, w, y, b, cw, gl, gz)]
+    exp = oracle(*cpu[:5], reduction=reduction, grad_loss=cpu[5], grad_lse=cpu[6], round_product=True, **opts)
+    bounds = grad_bounds(*cpu[:5], reduction=reduction, grad_loss=cpu[5], grad_lse=cpu[6], **opts)
+    chunks = -(-T // options.chunk_rows(T, V, H, dtype))
+    _check_gpu(got, exp, dtype, bounds, chunks, accumulate)
+
+
 def _worst_ratios(got, exp, bounds):
     """Per gradient: the largest |got - exp| / bound (NaN patterns must agree)."""
     out = []
@@ -985,40 +1108,47 @@ def _worst_ratios(got, exp, bounds):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("V", [16387, 40001, 100003, 200001])  # each (CL, R) of HELD_CONFIGS, a tail of 3 or 1
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_gpu_held_rows_match_oracle(V, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,logits", [("bfloat16", "float32"), ("float16", "float32"), ("float32", "float32"),
+                                          ("bfloat16", "input"), ("float16", "input")])
+def test_gpu_held_rows_match_oracle(V, dtype, logits, monkeypatch):
     """The gradient-in-the-forward rows at vocabularies where ce_rows_held runs (compute capability
     9.0), with bias, class weights, label smoothing, z-loss, soft-capping, ignored rows and int32
     targets: loss and lse to float32 accuracy, gradients no further from the float64 oracle than
     ce_rows' (the same GEMMs; at float32 their sums over ~10^5 classes, not the rows, set the
-    error), and a bad target's NaN confined to its row."""
+    error), and a bad target's NaN confined to its row. logits="input": 16-bit rows (vectors of 8,
+    a tail of up to 7), against the oracle that rounds the product (inputs on an exact grid)."""
     names: list[str] = []
     prepare = lce.KERNELS_SM90.prepare
     monkeypatch.setattr(lce.KERNELS_SM90, "prepare", lambda name, *a, **k: names.append(name) or prepare(name, *a, **k))
     for H in (16, 24):  # 24: 16-bit inputs store the logit gradients (37 <= 2 x 24), 16 writes them in place
-        _held_case(V, dtype, H, monkeypatch, names)
+        _held_case(V, dtype, H, monkeypatch, names, logits)
 
 
-def _held_case(V, dtype, H, monkeypatch, names):
+def _held_case(V, dtype, H, monkeypatch, names, logits="float32"):
     from cukit._device import device_caps
 
     T = 37
     assert lce.stores_logit_grads(T, H, V, dtype, "float32", "mean") == (H == 24 and dtype != "float32")
-    x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=True, weights=True, seed=V, device="cuda", scale=3.0)
+    rounded = logits == "input"
+    x, w, y, b, cw = make(T, H, V, dtype=DT[dtype], bias=True, weights=True, seed=V, device="cuda", scale=3.0,
+                          grid=rounded)
     opts = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 20.0}
+    lo = {"options": cukit.LinearCrossEntropyOptions(logits=logits)}
     cpu = (x.cpu(), w.cpu(), y.cpu(), b.cpu(), cw.cpu())
     cases = [((b, cw), cpu, "mean", opts), ((None, None), (*cpu[:3], None, None), "sum", {})]
-    held = [_cuda_call(x, w, y.to(torch.int32), *bc, reduction=red, **o) for bc, _, red, o in cases]
+    held = [_cuda_call(x, w, y.to(torch.int32), *bc, reduction=red, **o, **lo) for bc, _, red, o in cases]
     if device_caps(x.device.index or 0).cc == 90:
-        cl, r, _ = lce.held_config(V, dtype)
-        assert any(f", {cl}, {r}>" in n for n in names), names
+        wdt = lce.logits_dtype(dtype, logits)
+        cl, r, _ = lce.held_config(V, dtype, wdt)
+        assert any(n.startswith(f"ce_rows_held<{lce.DTYPES[dtype].ctype}, {lce.DTYPES[wdt].ctype},")
+                   and f", {cl}, {r}>" in n for n in names), names
     lce._PLANS.clear()
     with monkeypatch.context() as m:
-        m.setattr(lce, "held_config", lambda vocab, dtype: None)  # ce_rows for the comparison
-        rows = [_cuda_call(x, w, y.to(torch.int32), *bc, reduction=red, **o) for bc, _, red, o in cases]
+        m.setattr(lce, "held_config", lambda *a: None)  # ce_rows for the comparison
+        rows = [_cuda_call(x, w, y.to(torch.int32), *bc, reduction=red, **o, **lo) for bc, _, red, o in cases]
     lce._PLANS.clear()
     for got, base, (_, c, red, o) in zip(held, rows, cases, strict=True):
-        exp = oracle(*c, reduction=red, **o)
+        exp = oracle(*c, reduction=red, round_product=rounded, **o)
         bounds = grad_bounds(*c, reduction=red, **o)
         lt = 2e-5
         assert_close(got[0].cpu(), exp[0], atol=lt, rtol=lt)

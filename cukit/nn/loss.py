@@ -22,7 +22,7 @@ from cukit.nn._patch import (
     register_rule,
 )
 from cukit.nn.linear import Linear
-from cukit.ops.linear_cross_entropy import check_spec, resolve_options
+from cukit.ops.linear_cross_entropy import LinearCrossEntropyOptions, check_spec, resolve_options
 from cukit.torch.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["LinearCrossEntropy", "causal_lm_loss"]
@@ -138,7 +138,9 @@ def causal_lm_loss(
     the mean over non-ignored tokens, or with `num_items_in_batch` their sum divided by it (as
     gradient accumulation over micro-batches wants). The loss is float32, like transformers'
     (which upcasts the logits). `options`: ``cukit.linear_cross_entropy``'s (chunking, gradient
-    accumulation). Extra keyword arguments (the model's other kwargs) are ignored, as there."""
+    accumulation); None: the defaults with ``logits="input"``, the rounding of the stock model,
+    whose lm_head returns its logits in the model's dtype before the loss upcasts them. Extra
+    keyword arguments (the model's other kwargs) are ignored, as there."""
     if shift_labels is None:
         if labels is None:
             raise ValueError("cukit.nn.causal_lm_loss: labels or shift_labels must be given")
@@ -152,6 +154,8 @@ def causal_lm_loss(
             f"(hidden {tuple(hidden.shape)}, labels {tuple(shift_labels.shape)})"
         )
     reduction = "mean" if num_items_in_batch is None else "sum"
+    if options is None:
+        options = _MODEL_ROUNDING
     loss = linear_cross_entropy(h, lm_head.weight, y, linear_bias=lm_head.bias, ignore_index=ignore_index,
                                 reduction=reduction, softcap=softcap, options=options)
     if num_items_in_batch is not None:
@@ -159,6 +163,9 @@ def causal_lm_loss(
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss  # type: ignore[return-value]
+
+
+_MODEL_ROUNDING = LinearCrossEntropyOptions(logits="input")
 
 
 class _Stash(nn.Module):

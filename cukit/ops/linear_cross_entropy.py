@@ -8,7 +8,9 @@ oracles. torch registration (autograd, torch.compile, CUDA graphs, autocast):
 
 The GPU path works in chunks of ``Tc`` tokens (see :class:`LinearCrossEntropyOptions`). Per chunk:
 
-1. ``logits = x_c @ W^T`` into an fp32 workspace (fp64 for fp64 inputs) of ``Tc`` rows;
+1. ``logits = x_c @ W^T`` into a workspace of ``Tc`` rows: float32 (float64 for float64 inputs),
+   or, with ``logits="input"``, the input's 16-bit dtype (the product rounded once, as ``F.linear``
+   rounds it: half the bytes per token);
 2. ``ce_rows`` (one block per row): the row's log-sum-exp, its loss and, when gradients are
    wanted, ``g = d loss / d logits`` (bias, soft-capping, z-loss, label smoothing, class weights
    and ignore_index included), written in the input dtype over the workspace row it was read from;
@@ -65,6 +67,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 TARGET_DTYPES = ("int64", "int32")
 REDUCTIONS: dict[str, int] = {"none": 0, "mean": 1, "sum": 2}
 ACCUMULATIONS = ("float32", "input", "recompute")
+LOGITS = ("float32", "input")
 DEFAULT_WORKSPACE_BYTES = 256 << 20
 # "recompute": the second pass's workspace (every token's logits for a block of classes) when
 # workspace_bytes is None, and the fewest classes per block
@@ -80,11 +83,23 @@ def _acc_name(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
+def logits_dtype(dtype: str, logits: str = "float32") -> str:
+    """dtype of the chunk's logits workspace for inputs of `dtype` (see the option `logits`): the
+    input's own for 16-bit inputs with ``logits="input"``, else the accumulator's."""
+    return dtype if logits == "input" and dtype in ("float16", "bfloat16") else _acc_name(dtype)
+
+
+def _vec(wdt: str) -> int:
+    """Elements of `wdt` in the row kernels' 16-byte vectors."""
+    return 16 // DTYPES[wdt].itemsize
+
+
 def _instantiations() -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name in FLOAT_DTYPES:
         t, a = DTYPES[name].ctype, DTYPES[_acc_name(name)].ctype
-        exprs = [f"ce_rows<{t}, {y}, {m}>" for y in ("long long", "int") for m in (0, 1, 2)]
+        ws = (a, t) if t != a and name != "float32" else (a,)  # the workspace: A, or T (logits="input")
+        exprs = [f"ce_rows<{t}, {w}, {y}, {m}>" for w in ws for y in ("long long", "int") for m in (0, 1, 2)]
         exprs.append(f"ce_colsum<{t}>")
         for v in (4, 1):  # the vector path and the scalar path
             exprs.append(f"scale_cast<{a}, {t}, {v}>")
@@ -114,9 +129,10 @@ KERNELS = KernelModule(
     },
 )
 
-# ce_rows_held (compute capability 9.0): a cluster of CL CTAs holds a row in registers, R vectors
-# of 4 floats per thread, so the row is read once (ce_rows reads it twice: at large vocabularies
-# the second read misses L2). (CL, R) pairs in order of preference: R = 8 fits two CTAs per SM.
+# ce_rows_held (compute capability 9.0): a cluster of CL CTAs holds a row in registers, R x 4 floats
+# per thread, so the row is read once (ce_rows reads it twice: at large vocabularies the second
+# read misses L2). (CL, R) pairs in order of preference: R = 8 fits two CTAs per SM. The kernel
+# loads 16-byte vectors of the workspace: R vectors of 4 floats, or R / 2 of 8 16-bit logits.
 HELD_CONFIGS = ((2, 8), (4, 8), (8, 8), (8, 16))
 # Below this many classes ce_rows' resident rows (blocks x V x 4 bytes) fit in L2, and its second
 # read of a row hits there: the held kernel's cluster exchange would cost more than it saves.
@@ -126,8 +142,9 @@ _HELD_THREADS = 512
 KERNELS_SM90 = KernelModule(
     "cross_entropy.cu",
     instantiations={
-        f"{name}/held": [f"ce_rows_held<{DTYPES[name].ctype}, {y}, {cl}, {r}>"
-                         for y in ("long long", "int") for cl, r in HELD_CONFIGS]
+        f"{name}/held": [f"ce_rows_held<{DTYPES[name].ctype}, {DTYPES[wdt].ctype}, {y}, {cl}, {r * 4 // _vec(wdt)}>"
+                         for wdt in dict.fromkeys(("float32", name)) for y in ("long long", "int")
+                         for cl, r in HELD_CONFIGS]
         for name in ("bfloat16", "float16", "float32")
     },
     signatures={"ce_rows_held": KERNELS.signatures["ce_rows"]},
@@ -135,15 +152,18 @@ KERNELS_SM90 = KernelModule(
 )
 
 
-def held_config(vocab: int, dtype: str) -> tuple[int, int, int] | None:
+def held_config(vocab: int, dtype: str, wdt: str = "float32") -> tuple[int, int, int] | None:
     """(cluster size CL, vectors per thread R, threads per CTA) of ce_rows_held for rows of `vocab`
-    classes in `dtype` (the first pair of :data:`HELD_CONFIGS` whose CTAs hold the row, threads
-    trimmed to a multiple of 32), or None where ce_rows runs: float64, vocab below
-    :data:`HELD_MIN_VOCAB` or above the largest configuration's 262,144."""
+    classes of inputs in `dtype`, the logits in a workspace of `wdt` (R counts its 16-byte
+    vectors: a pair of :data:`HELD_CONFIGS` with its R scaled to them). The first pair whose CTAs
+    hold the row, threads trimmed to a multiple of 32; None where ce_rows runs: float64, vocab
+    below :data:`HELD_MIN_VOCAB` or above the largest configuration's 262,144."""
     if dtype not in ("bfloat16", "float16", "float32") or vocab < HELD_MIN_VOCAB:
         return None
-    nvec = vocab // 4
-    for cl, r in HELD_CONFIGS:
+    per = _vec(wdt)
+    nvec = vocab // per
+    for cl, r4 in HELD_CONFIGS:
+        r = r4 * 4 // per
         if nvec <= cl * _HELD_THREADS * r:
             threads = max(32, -(-nvec // (cl * r * 32)) * 32)
             return cl, r, threads
@@ -177,15 +197,15 @@ class LinearCrossEntropyOptions:
         chunk_size: tokens per chunk (``Tc``); None: the most that fit in the workspace (a
             multiple of 128 when that is >= 128), at least 1, at most the number of tokens.
         workspace_bytes: bound on the chunk's logits buffer, ``Tc x V x 4`` bytes (8 for
-            float64), the only memory proportional to the vocabulary that the op allocates besides
-            the gradients. None (default): 256 MiB, raised for 16-bit inputs with float32
-            accumulation to up to 1,024 tokens as long as it stays within half the float32 dW
-            accumulator (the op's peak is then still set by the backward's rounding of that
-            accumulator, not by the workspace): the dW GEMM reads and writes its float32 output
-            once per chunk, and on an H100 needs ~1,000 tokens per chunk to be compute-bound
-            (8 bytes per element against 2 x Tc flops). 8,192 x 4,096 x 128,256: 1,024 tokens
-            (501 MiB). Larger chunks make every GEMM more efficient (and, with
-            ``grad_accumulation="input"``, round dW fewer times).
+            float64, 2 for 16-bit logits), the only memory proportional to the vocabulary that the
+            op allocates besides the gradients. None (default): 256 MiB, raised for 16-bit inputs
+            with float32 accumulation to up to the bytes of 1,024 float32 rows as long as it stays
+            within half the float32 dW accumulator (the op's peak is then still set by the
+            backward's rounding of that accumulator, not by the workspace): the dW GEMM reads and
+            writes its float32 output once per chunk, and on an H100 needs ~1,000 tokens per chunk
+            to be compute-bound (8 bytes per element against 2 x Tc flops). 8,192 x 4,096 x
+            128,256: 1,024 tokens (501 MiB), 2,048 with 16-bit logits. Larger chunks make every
+            GEMM more efficient (and, with ``grad_accumulation="input"``, round dW fewer times).
         grad_accumulation: how the gradients of 16-bit inputs accumulate over the chunks.
             "float32" (default, exact): dx and dW accumulate in float32 buffers and are rounded
             once to the input's dtype, in the backward, after the reduction's scale and the
@@ -218,6 +238,15 @@ class LinearCrossEntropyOptions:
             fourth GEMM of the logits' size. float16 gradients scaled by 1 / tokens before a
             GradScaler's scale can lose their smallest entries: prefer "float32" for float16.
             float32 and float64 inputs accumulate in their own dtype in every mode.
+        logits: the precision of each chunk's logits, for 16-bit inputs. "float32" (default): the
+            GEMM's float32 sums, never rounded: the loss and lse to float32 accuracy, and gradients
+            more accurate than torch's ``F.cross_entropy(F.linear(x, W).float(), y)``. "input":
+            the product ``x W^T`` rounded once to the input dtype, as that reference (and a model
+            whose head returns logits in its own dtype) rounds it; bias, soft-capping and
+            everything after are float32 as before. Half the workspace per token, so twice the
+            tokens per chunk in the same bytes (half the float32 dW accumulator's passes), a GEMM
+            that writes half the bytes and row kernels that read half. float16 logits overflow
+            beyond 65,504 as the reference's do. float32 and float64 inputs ignore it.
         allow_retain_graph: the backward of 'mean' / 'sum' scales and releases the gradients the
             forward computed (in place where it can); a second backward through the same graph
             (``retain_graph=True``) then recomputes them from the saved lse, as 'none' does. True
@@ -226,7 +255,8 @@ class LinearCrossEntropyOptions:
 
     ``torch.nn.LinearCrossEntropyOptions`` is accepted too: ``batch_chunk_size`` and
     ``chunking_method`` give the chunk size, ``acc_policy="compact"`` (or a 16-bit ``acc_dtype``)
-    means ``grad_accumulation="input"``, anything else "float32"; ``allow_retain_graph`` as is.
+    means ``grad_accumulation="input"``, anything else "float32"; ``allow_retain_graph`` as is;
+    ``logits`` "float32".
 
     See also: ``torch.nn.LinearCrossEntropyOptions``.
     """
@@ -235,6 +265,7 @@ class LinearCrossEntropyOptions:
     workspace_bytes: int | None = None
     grad_accumulation: str = "float32"
     allow_retain_graph: bool = False
+    logits: str = "float32"
 
     def __post_init__(self) -> None:
         where = "cukit.LinearCrossEntropyOptions"
@@ -249,13 +280,15 @@ class LinearCrossEntropyOptions:
             )
         if not isinstance(self.allow_retain_graph, bool):
             raise TypeError(f"{where}: allow_retain_graph must be True or False; got {self.allow_retain_graph!r}")
+        if self.logits not in LOGITS:
+            raise ValueError(f"{where}: logits must be one of {', '.join(map(repr, LOGITS))}; got {self.logits!r}")
 
     def chunk_rows(self, tokens: int, vocab: int, hidden: int = 0, dtype: str = "bfloat16") -> int:
         """Tokens per chunk for `tokens` x `hidden` -> `vocab` in `dtype` (see `chunk_size`; with
         "recompute", the first pass's chunk)."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, tokens))
-        asize = 8 if dtype == "float64" else 4
+        asize = DTYPES[logits_dtype(dtype, self.logits)].itemsize
         row = _ld(vocab, asize) * asize
         budget = self.workspace_bytes
         if self.grad_accumulation == "recompute":
@@ -264,7 +297,7 @@ class LinearCrossEntropyOptions:
         elif budget is None:
             budget = DEFAULT_WORKSPACE_BYTES
             if self.grad_accumulation == "float32" and dtype in ("float16", "bfloat16"):
-                budget = max(budget, min(vocab * hidden * 2, _COMPUTE_BOUND_ROWS * row))
+                budget = max(budget, min(vocab * hidden * 2, _COMPUTE_BOUND_ROWS * _ld(vocab, 4) * 4))
         tc = budget // row
         if tc >= 128:
             tc -= tc % 128
@@ -276,7 +309,7 @@ class LinearCrossEntropyOptions:
         64 MiB), a multiple of 128, at least 128 (or the vocabulary)."""
         if self.grad_accumulation != "recompute":
             return 0
-        asize = 8 if dtype == "float64" else 4
+        asize = DTYPES[logits_dtype(dtype, self.logits)].itemsize
         budget = self.workspace_bytes or RECOMPUTE_BLOCK_BYTES
         cols = budget // (max(tokens, 1) * asize)
         cols -= cols % _MIN_VOCAB_BLOCK
@@ -304,6 +337,11 @@ def resolve_options(options: Any, tokens: int, hidden: int, vocab: int, fn: str 
 
 
 _DEFAULT_OPTIONS = LinearCrossEntropyOptions()
+
+
+def is_default_chunking(opts: LinearCrossEntropyOptions) -> bool:
+    """Whether `opts` are the defaults but for the logits' precision."""
+    return dataclasses.replace(opts, logits="float32") == _DEFAULT_OPTIONS
 
 
 def _from_torch_options(o: Any, tokens: int, hidden: int, vocab: int) -> LinearCrossEntropyOptions:
@@ -578,11 +616,12 @@ def linear_cross_entropy(
         check_targets_host(target, V, spec.ignore_index)
         ref = reference_numpy if kind == "numpy" else reference_torch
         loss, lse = ref(input, linear_weight, target, linear_bias, weight, spec.reduction, spec.ignore_index,
-                        spec.label_smoothing, spec.z_loss, spec.softcap)
+                        spec.label_smoothing, spec.z_loss, spec.softcap, round_product=opts.logits == "input")
         return (loss, lse) if return_lse else loss
+    dtype = dtype_name(input, kind)
     out = forward_gpu(input.reshape(T, input.shape[-1]), linear_weight, target.reshape(T), linear_bias, weight,
-                      spec, opts.chunk_rows(T, V, int(input.shape[-1]), dtype_name(input, kind)),
-                      opts.grad_accumulation, opts.vocab_block(T, V, dtype_name(input, kind)))
+                      spec, opts.chunk_rows(T, V, int(input.shape[-1]), dtype), opts.grad_accumulation,
+                      opts.vocab_block(T, V, dtype), opts.logits)
     loss = out[0] if spec.reduction != "none" else out[0].reshape(target.shape)
     return (loss, out[1].reshape(target.shape)) if return_lse else loss
 
@@ -595,7 +634,7 @@ def linear_cross_entropy(
 def reference_numpy(
     input: np.ndarray, linear_weight: np.ndarray, target: np.ndarray, linear_bias: np.ndarray | None = None,
     weight: np.ndarray | None = None, reduction: str = "mean", ignore_index: int = IGNORE_INDEX,
-    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
+    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0, round_product: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """NumPy linear + cross-entropy in float64: (loss, lse), both float64 (arrays, 0-d for a
     reduced loss). Same arguments as :func:`reference_torch`."""
@@ -604,6 +643,8 @@ def reference_numpy(
     y = np.asarray(target).reshape(-1).astype(np.int64)
     with np.errstate(over="ignore", invalid="ignore"):
         z = x @ np.asarray(linear_weight, np.float64).T
+        if round_product and np.asarray(input).dtype.itemsize == 2:
+            z = z.astype(np.asarray(input).dtype).astype(np.float64)
         if linear_bias is not None:
             z = z + np.asarray(linear_bias, np.float64)
         if softcap:
@@ -632,10 +673,12 @@ def reference_numpy(
 
 
 def reference_logits_torch(x: Any, linear_weight: Any, linear_bias: Any, softcap: float,
-                           product_in_input_dtype: bool = False) -> Any:
+                           product_in_input_dtype: bool = False, round_product: bool = False) -> Any:
     """``z = cap(x @ W^T + b)`` for x (T, H) in float32 (float64 for float64): the kernels' maths.
     `product_in_input_dtype`: ``F.linear`` in the inputs' dtype, then widened (torch's own
-    ``F.cross_entropy(F.linear(x, W, b).float(), y)``: one rounding of each logit to that dtype)."""
+    ``F.cross_entropy(F.linear(x, W, b).float(), y)``: one rounding of each logit to that dtype).
+    `round_product`: the float32 product ``x W^T`` of 16-bit inputs rounded once to their dtype
+    before the bias (the kernels' ``logits="input"``)."""
     import torch
 
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -644,6 +687,8 @@ def reference_logits_torch(x: Any, linear_weight: Any, linear_bias: Any, softcap
         return softcap * torch.tanh(z / softcap) if softcap else z
     with torch.autocast(x.device.type, enabled=False):  # the product in acc, also under autocast
         z = x.to(acc) @ linear_weight.to(acc).T
+    if round_product and x.dtype in (torch.float16, torch.bfloat16):
+        z = z.to(x.dtype).to(acc)
     if linear_bias is not None:
         z = z + linear_bias.to(acc)
     if softcap:
@@ -654,20 +699,21 @@ def reference_logits_torch(x: Any, linear_weight: Any, linear_bias: Any, softcap
 def reference_torch(
     input: Any, linear_weight: Any, target: Any, linear_bias: Any = None, weight: Any = None,
     reduction: str = "mean", ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
-    z_loss: float = 0.0, softcap: float = 0.0, product_in_input_dtype: bool = False,
+    z_loss: float = 0.0, softcap: float = 0.0, product_in_input_dtype: bool = False, round_product: bool = False,
 ) -> tuple[Any, Any]:
     """torch linear + cross-entropy with the kernels' maths (float32 logits, float64 for float64
     inputs), differentiable by torch's autograd: (loss, lse), the torch-CPU fallback.
 
     input (..., H), linear_weight (V, H), target input.shape[:-1] (valid indices or
     ignore_index); softcap 0 means none. The loss is float32 (float64 for float64 inputs).
-    `product_in_input_dtype`: see :func:`reference_logits_torch`."""
+    `product_in_input_dtype`, `round_product`: see :func:`reference_logits_torch`."""
     import torch
 
     H, V = linear_weight.shape[1], linear_weight.shape[0]
     shape = tuple(target.shape)
     y = target.reshape(-1).long()
-    z = reference_logits_torch(input.reshape(-1, H), linear_weight, linear_bias, softcap, product_in_input_dtype)
+    z = reference_logits_torch(input.reshape(-1, H), linear_weight, linear_bias, softcap, product_in_input_dtype,
+                               round_product)
     lse = torch.logsumexp(z, dim=1) if z.shape[0] else z.new_zeros(0)
     per = row_loss_torch(z, y, weight, lse, ignore_index, label_smoothing, z_loss)
     if reduction == "none":
@@ -755,17 +801,18 @@ def dlogits_torch(z: Any, y: Any, weight: Any, lse: Any, stats: Any, u: Any, v: 
 def reference_grad_torch(
     x: Any, linear_weight: Any, target: Any, linear_bias: Any, weight: Any, *, reduction: str,
     ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, grad_loss: Any,
-    grad_lse: Any = None, lse: Any = None, stats: Any = None,
+    grad_lse: Any = None, lse: Any = None, stats: Any = None, round_product: bool = False,
 ) -> tuple[Any, Any, Any]:
     """The gradients ``(dx, dW, db)`` of (loss, lse) for upstream gradients `grad_loss` (0-d
     for 'mean'/'sum', (T,) for 'none') and `grad_lse` ((T,) or None), by the kernels' closed
     form (the CPU backward, and the oracle of the kernels' gradient): x (T, H), target (T,).
-    Results in the dtypes of x, linear_weight and linear_bias (db None without a bias)."""
+    Results in the dtypes of x, linear_weight and linear_bias (db None without a bias).
+    `round_product`: see :func:`reference_logits_torch`."""
     import torch
 
     V = linear_weight.shape[0]
     y = target.reshape(-1).long()
-    z = reference_logits_torch(x, linear_weight, linear_bias, softcap)
+    z = reference_logits_torch(x, linear_weight, linear_bias, softcap, round_product=round_product)
     acc = z.dtype
     lse = (torch.logsumexp(z, dim=1) if z.shape[0] else z.new_zeros(0)) if lse is None else lse.to(acc)
     if stats is None:
@@ -830,10 +877,14 @@ class DeviceSteps:
     ``tests/test_linear_cross_entropy.py`` runs the same chunk loops on the CPU with a torch
     emulation of these methods, which pins down what each kernel must compute."""
 
-    def __init__(self, dtype: str, ydtype: str, device: int, vocab: int, ld: int, spec: Spec) -> None:
+    def __init__(self, dtype: str, ydtype: str, device: int, vocab: int, ld: int, spec: Spec,
+                 wdt: str | None = None) -> None:
         self.dtype, self.acc = dtype, _acc_name(dtype)
+        self.wdt = wdt or self.acc  # the logits workspace's dtype
         self.t, self.a, self.y = DTYPES[dtype].ctype, DTYPES[self.acc].ctype, DTYPES[ydtype].ctype
+        self.w = DTYPES[self.wdt].ctype
         self.asize, self.ysize = DTYPES[self.acc].itemsize, DTYPES[ydtype].itemsize
+        self.wsize = DTYPES[self.wdt].itemsize
         self.device, self.V, self.ld, self.spec = device, vocab, ld, spec
         self._launches: dict[tuple, Any] = {}
 
@@ -853,32 +904,33 @@ class DeviceSteps:
     def rows(self, mode: int, ws: Any, bias: Any, target: Any, cw: Any, stats: Any, row_grad: Any, grad0: Any,
              lse_grad: Any, lse: Any, row_loss: Any, r0: int, n: int, stream: Any, *, col0: int = 0,
              cols: int | None = None, ld: int | None = None, out: Any = None, ldo: int = 0) -> None:
-        """ce_rows over rows [r0, r0 + n) of the per-token arrays, rows [0, n) of ws (row stride
-        `ld`, default the plan's), each holding the classes [col0, col0 + cols) (default all).
+        """ce_rows over rows [r0, r0 + n) of the per-token arrays, rows [0, n) of ws (the logits
+        workspace's dtype, row stride `ld`, default the plan's), each holding the classes
+        [col0, col0 + cols) (default all).
         The gradient goes over ws, or into rows [0, n) of `out` (row stride `ldo` elements of the
         input dtype) when given."""
         sp = self.spec
         cols = self.V if cols is None else cols
         ld = self.ld if ld is None else ld
         if out is None:
-            ldo = ld * self.asize // DTYPES[self.dtype].itemsize
+            ldo = ld * self.wsize // DTYPES[self.dtype].itemsize
         key = ("rows", mode, n, cols, ld, ldo)
         run = self._launches.get(key)
         if run is None and mode == MODE_GRAD and col0 == 0 and cols == self.V:
-            held = held_config(cols, self.dtype) if device_caps(self.device).cc == 90 else None
+            held = held_config(cols, self.dtype, self.wdt) if device_caps(self.device).cc == 90 else None
             if held is not None:
                 cl, r, threads = held
                 # one cluster per row (up to the grid's y limit; the kernel loops past it): the
                 # hardware places clusters as SMs free up
                 run = self._launches[key] = KERNELS_SM90.prepare(
-                    f"ce_rows_held<{self.t}, {self.y}, {cl}, {r}>", (cl, max(1, min(n, 65535))), (threads,),
+                    f"ce_rows_held<{self.t}, {self.w}, {self.y}, {cl}, {r}>", (cl, max(1, min(n, 65535))), (threads,),
                     (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap),
                     device=self.device)
         if run is None:
-            nvec = -(-cols // (16 // self.asize))
+            nvec = -(-cols // _vec(self.wdt))
             threads = min(_ROW_THREADS, max(32, -(-nvec // 32) * 32))
             grid = max(1, min(n, sm_count(self.device) * _ROW_BLOCKS_PER_SM))
-            run = self._get(key, f"ce_rows<{self.t}, {self.y}, {mode}>", (grid,), (threads,),
+            run = self._get(key, f"ce_rows<{self.t}, {self.w}, {self.y}, {mode}>", (grid,), (threads,),
                             (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap))
         a = self.asize * r0
 
@@ -977,7 +1029,7 @@ class Plan:
     H: int
     V: int
     tc: int  # tokens per chunk
-    ld: int  # workspace row stride (elements of the accumulator dtype)
+    ld: int  # workspace row stride (elements of wdt)
     dtype: str
     acc: str
     spec: Spec
@@ -985,6 +1037,10 @@ class Plan:
     steps: Any
     vb: int = 0  # "recompute": classes per block of the second pass
     ldb: int = 0  # "recompute": the second pass's workspace row stride
+    wdt: str = ""  # the logits workspace's dtype (logits_dtype; "": the accumulator's)
+
+    def __post_init__(self) -> None:
+        self.wdt = self.wdt or self.acc
 
     @property
     def recompute(self) -> bool:
@@ -992,8 +1048,8 @@ class Plan:
 
     @property
     def narrow(self) -> bool:
-        """The gradient (input dtype) is narrower than the workspace (16-bit inputs)."""
-        return self.dtype != self.acc and self.dtype != "float64"
+        """The gradient (input dtype) is narrower than the workspace (16-bit inputs, float32 logits)."""
+        return self.dtype != self.wdt
 
     @property
     def stored(self) -> bool:
@@ -1013,7 +1069,8 @@ class Plan:
 _PLANS = PlanCache("linear_cross_entropy", maxsize=256)
 
 
-def _key(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str, vb: int) -> tuple:
+def _key(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str, vb: int,
+         logits: str) -> tuple:
     """A call's signature: what the plan and the first call's validation depend on (shapes,
     dtypes, devices of every array; the options), never the data pointers."""
     torch_kind = hasattr(x, "data_ptr")
@@ -1025,11 +1082,12 @@ def _key(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, a
 
     # return_lse changes nothing the kernels do: the forward and the backward share a plan
     spec = dataclasses.replace(spec, return_lse=False) if spec.return_lse else spec
-    return (torch_kind, meta(x), meta(w), meta(target), meta(bias), meta(cw), spec, tc, accumulate, vb)
+    return (torch_kind, meta(x), meta(w), meta(target), meta(bias), meta(cw), spec, tc, accumulate, vb, logits)
 
 
-def _plan(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str, vb: int) -> Plan:
-    key = _key(x, w, target, bias, cw, spec, tc, accumulate, vb)
+def _plan(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str, vb: int,
+          logits: str) -> Plan:
+    key = _key(x, w, target, bias, cw, spec, tc, accumulate, vb, logits)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -1039,18 +1097,19 @@ def _plan(x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, 
         raise ValueError(f"{FN} (GPU path): input must be a CUDA array; got an array on the CPU")
     if x.ndim != 2 or target.ndim != 1:
         raise ValueError(f"{FN} (GPU path): input must be 2-D (tokens, H) and target 1-D; got {tuple(x.shape)}")
-    if not (_is_int(tc) and tc >= 1) or accumulate not in ACCUMULATIONS or not (
+    if not (_is_int(tc) and tc >= 1) or accumulate not in ACCUMULATIONS or logits not in LOGITS or not (
             _is_int(vb) and (vb >= 1 if accumulate == "recompute" else vb == 0)):
-        raise ValueError(f"{FN} (GPU path): chunk size {tc!r}, accumulation {accumulate!r} or vocabulary block "
-                         f"{vb!r} invalid")
+        raise ValueError(f"{FN} (GPU path): chunk size {tc!r}, accumulation {accumulate!r}, logits {logits!r} or "
+                         f"vocabulary block {vb!r} invalid")
     dtype = dtype_name(x, kind)
-    acc = _acc_name(dtype)
+    acc, wdt = _acc_name(dtype), logits_dtype(dtype, logits)
     T, H, V = int(x.shape[0]), int(x.shape[1]), int(w.shape[0])
-    ld = _ld(V, DTYPES[acc].itemsize)
-    steps = DeviceSteps(dtype, dtype_name(target, kind), device, V, ld, spec)
+    wsize = DTYPES[wdt].itemsize
+    ld = _ld(V, wsize)
+    steps = DeviceSteps(dtype, dtype_name(target, kind), device, V, ld, spec, wdt)
     vb = min(vb, V)
     plan = Plan(T, H, V, min(tc, max(T, 1)), ld, dtype, acc, spec, accumulate, steps, vb,
-                _ld(vb, DTYPES[acc].itemsize) if vb else 0)
+                _ld(vb, wsize) if vb else 0, wdt)
     return _PLANS.put(key, plan)
 
 
@@ -1079,7 +1138,8 @@ def _prepare_inputs(x: Any, w: Any, target: Any, bias: Any, cw: Any, acc: str) -
 
 def forward_gpu(
     x: Any, w: Any, target: Any, bias: Any, cw: Any, spec: Spec, tc: int, accumulate: str = "float32",
-    vocab_block: int = 0, *, need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
+    vocab_block: int = 0, logits: str = "float32", *, need_dx: bool = False, need_dw: bool = False,
+    need_db: bool = False,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """The chunked forward for CuPy arrays or torch CUDA tensors: x (T, H), w (V, H), target (T,),
     bias (V,) or None, cw (V,) class weights or None; `tc` tokens per chunk.
@@ -1093,8 +1153,8 @@ def forward_gpu(
     :func:`stores_logit_grads` holds, dw_buf is instead the logit gradient G (T, stored_ld(V)) in
     the input dtype, and dW = the same scales times G^T x (:func:`stored_dw_gpu`). stats: see
     ``ce_stats``. `vocab_block`: classes per block of the "recompute" mode's second pass (0
-    otherwise). Validated on a signature's first call."""
-    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block)
+    otherwise); `logits`: the option of that name. Validated on a signature's first call."""
+    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block, logits)
     x, w, target, bias, cw = _prepare_inputs(x, w, target, bias, cw, plan.acc)
     stream = current_stream(plan.steps.device, hasattr(x, "data_ptr"))
     grads = spec.reduction != "none" and (need_dx or need_dw or need_db)
@@ -1169,7 +1229,7 @@ def _dw_by_vocab_blocks(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, tar
     columns: u = row_grad, or grad0 * stats[1]; v = lse_grad), and the block's rows of dW from one
     GEMM over all tokens (float32 inside it, rounded once into dw)."""
     T, H, V, vb, ldb = plan.T, plan.H, plan.V, plan.vb, plan.ldb
-    ws = _empty((T, ldb), plan.acc, x)
+    ws = _empty((T, ldb), plan.wdt, x)
     gview = _view_as(ws, plan.dtype) if plan.narrow else ws  # the gradient written over its logits
     for c0 in range(0, V, vb):
         nb = min(vb, V - c0)
@@ -1199,9 +1259,9 @@ def _ones(dtype: str, like: Any) -> Any:
 
 
 def _workspace(plan: Plan, like: Any) -> tuple[Any, Any, int]:
-    """The chunk's logits buffer (rows, ld) in the accumulator dtype, the same memory viewed as
-    the gradient's dtype, and the gradient's row stride in elements."""
-    ws = _empty((min(plan.tc, plan.T), plan.ld), plan.acc, like)
+    """The chunk's logits buffer (rows, ld) in the workspace dtype, the same memory viewed as the
+    gradient's dtype, and the gradient's row stride in elements."""
+    ws = _empty((min(plan.tc, plan.T), plan.ld), plan.wdt, like)
     if not plan.narrow:
         return ws, ws, plan.ld
     return ws, _view_as(ws, plan.dtype), 2 * plan.ld
@@ -1209,13 +1269,13 @@ def _workspace(plan: Plan, like: Any) -> tuple[Any, Any, int]:
 
 def backward_gpu(
     x: Any, w: Any, target: Any, bias: Any, cw: Any, lse: Any, stats: Any, spec: Spec, tc: int,
-    accumulate: str = "float32", vocab_block: int = 0, *, grad_loss: Any, grad_lse: Any = None,
-    need_dx: bool = True, need_dw: bool = True, need_db: bool = True,
+    accumulate: str = "float32", vocab_block: int = 0, logits: str = "float32", *, grad_loss: Any,
+    grad_lse: Any = None, need_dx: bool = True, need_dw: bool = True, need_db: bool = True,
 ) -> tuple[Any, Any, Any]:
     """The recomputing backward: (dx, dW, db) of (loss, lse) for the upstream gradients
     `grad_loss` ((T,) for 'none', 0-d otherwise) and `grad_lse` ((T,) or None), from the saved
     lse and stats. Arrays as forward_gpu's; None for a gradient not needed (db without a bias)."""
-    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block)
+    plan = _plan(x, w, target, bias, cw, spec, tc, accumulate, vocab_block, logits)
     x, w, target, bias, cw = _prepare_inputs(x, w, target, bias, cw, plan.acc)
     stream = current_stream(plan.steps.device, hasattr(x, "data_ptr"))
     if hasattr(x, "data_ptr"):
@@ -1232,7 +1292,8 @@ def run_backward(plan: Plan, steps: Any, stream: Any, x: Any, w: Any, target: An
     T, H, V, acc = plan.T, plan.H, plan.V, plan.acc
     none = plan.spec.reduction == "none"
     dx = _empty((T, H), plan.dtype, x) if need_dx else None
-    separate = plan.accumulate == "float32" and plan.narrow  # a float32 dW, rounded once at the end
+    # 16-bit inputs: a float32 dW, rounded once at the end
+    separate = plan.accumulate == "float32" and plan.dtype != plan.acc
     blocks = plan.recompute and T > 0  # dW from the second pass (allocated after the first)
     dw = _empty((V, H), plan.dtype, x, zero=T == 0) if need_dw and not blocks else None
     dw_acc = _empty((V, H), acc, x, zero=T == 0) if need_dw and separate else dw

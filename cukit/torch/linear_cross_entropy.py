@@ -30,7 +30,8 @@ implementations give its outputs' metadata), except where chunking buys nothing:
 most :data:`COMPILE_AS_TORCH_MAX_LOGITS_BYTES` is traced as torch's own
 ``F.cross_entropy(F.linear(x, W, b).float(), y)`` form (cukit's extensions included), which
 inductor fuses into the neighbouring graph at the same peak memory; the chunked op there only
-added its host cost and an fp32 logits round trip. Explicit ``options`` keep the op.
+added its host cost and an fp32 logits round trip. Options other than the defaults keep the op
+(but for ``logits``, whose "input" is the rounding that form makes).
 """
 
 from __future__ import annotations
@@ -89,21 +90,21 @@ def _lce_impl(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     reduction: str, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, return_lse: bool,
     chunk_size: int, accumulate: str, allow_retain_graph: bool, compute_dx: bool, compute_dw: bool, compute_db: bool,
-    vocab_block: int = 0,
+    vocab_block: int = 0, logits: str = "float32",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dx_buf, dw_buf, db_buf, stats) for input (T, H), target (T,): see the module
     docstring. The buffers are empty (shape (0,)) where nothing was computed."""
     spec = _op.Spec(reduction, ignore_index, label_smoothing, z_loss, softcap, return_lse)
     if input.is_cuda:
         out = _op.forward_gpu(input, linear_weight, target, linear_bias, weight, spec, chunk_size, accumulate,
-                              vocab_block, need_dx=compute_dx, need_dw=compute_dw, need_db=compute_db)
+                              vocab_block, logits, need_dx=compute_dx, need_dw=compute_dw, need_db=compute_db)
         # absent buffers: distinct empty tensors (a custom op's outputs must not alias each other)
         return tuple(input.new_empty(0) if t is None else t for t in out)  # type: ignore[return-value]
     _op.validate(input, linear_weight, target, linear_bias, weight)
     V = linear_weight.shape[0]
     _op.check_targets_host(target, V, ignore_index)
     loss, lse = _op.reference_torch(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                                    label_smoothing, z_loss, softcap)
+                                    label_smoothing, z_loss, softcap, round_product=logits == "input")
     acc = lse.dtype
     stats = _op.stats_torch(target, weight, V, ignore_index, reduction == "mean", acc)
     return loss, lse, input.new_empty(0), input.new_empty(0), input.new_empty(0), stats
@@ -128,7 +129,7 @@ def _lce_fake(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     reduction: str, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, return_lse: bool,
     chunk_size: int, accumulate: str, allow_retain_graph: bool, compute_dx: bool, compute_dw: bool, compute_db: bool,
-    vocab_block: int = 0,
+    vocab_block: int = 0, logits: str = "float32",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _op.validate(input, linear_weight, target, linear_bias, weight)
     acc = _acc(input.dtype)
@@ -147,7 +148,7 @@ def _lce_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: 
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient (not a tensor of zeros)
     ctx.spec = _op.Spec(reduction, ignore_index, ls, zl, cap, return_lse)
     ctx.chunk, ctx.accumulate, ctx.retain = chunk, accumulate, retain
-    ctx.vocab_block = inputs[17]
+    ctx.vocab_block, ctx.logits = inputs[17], inputs[18]
     # The forward's gradients, held as attributes (detached: as outputs they would link back to
     # this node) so the backward can release them early; None where absent.
     ctx.bufs = [_none(t.detach()) for t in (dx_buf, dw_buf, db_buf)]
@@ -162,7 +163,7 @@ def _lce_bwd(ctx: torch.autograd.function.FunctionCtx, g_loss: Tensor | None, g_
     if not spec.return_lse:
         g_lse = None  # lse was not handed to the user: a gradient for it is zeros at most
     nx, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
-    nothing = (None,) * 18
+    nothing = (None,) * 19
     if (g_loss is None and g_lse is None) or not (nx or nw or nb):
         return nothing
     g = g_loss if g_loss is not None else g_lse
@@ -181,7 +182,7 @@ def _lce_bwd(ctx: torch.autograd.function.FunctionCtx, g_loss: Tensor | None, g_
         dx, dw, db = _finish(ctx, x, w, b, stats, g_loss, direct)  # type: ignore[arg-type]
     else:
         dx, dw, db = _recompute(ctx, x, w, target, b, cw, lse, stats, g_loss, g_lse, (nx, nw, nb), direct)
-    out = [None] * 18
+    out = [None] * 19
     out[0], out[1], out[3] = (dx if nx else None), (dw if nw else None), (db if nb else None)
     return tuple(out)
 
@@ -235,16 +236,16 @@ def _recompute(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, t
     need_db = needs[2] and b is not None
     if direct:
         return _op.backward_gpu(x, w, target, b, cw, lse, stats, spec, ctx.chunk, ctx.accumulate, ctx.vocab_block,
-                                grad_loss=g_loss, grad_lse=g_lse, need_dx=needs[0], need_dw=needs[1],
+                                ctx.logits, grad_loss=g_loss, grad_lse=g_lse, need_dx=needs[0], need_dw=needs[1],
                                 need_db=need_db)
     if not x.is_cuda:  # torch ops: eager, or traced by torch.compile
         return _op.reference_grad_torch(
             x, w, target, b, cw, reduction=spec.reduction, ignore_index=spec.ignore_index,
             label_smoothing=spec.label_smoothing, z_loss=spec.z_loss, softcap=spec.softcap, grad_loss=g_loss,
-            grad_lse=g_lse, lse=lse, stats=stats)
+            grad_lse=g_lse, lse=lse, stats=stats, round_product=ctx.logits == "input")
     dx, dw, db = LCE_BACKWARD(x, w, target, b, cw, lse, stats, g_loss, g_lse, spec.reduction, spec.ignore_index,
                               spec.label_smoothing, spec.z_loss, spec.softcap, ctx.chunk, ctx.accumulate,
-                              needs[0], needs[1], need_db, ctx.vocab_block)
+                              needs[0], needs[1], need_db, ctx.vocab_block, ctx.logits)
     return _none(dx), _none(dw), _none(db)
 
 
@@ -268,20 +269,20 @@ def _bwd_impl(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     lse: Tensor, stats: Tensor, grad_loss: Tensor, grad_lse: Tensor | None, reduction: str, ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: float, chunk_size: int, accumulate: str, compute_dx: bool,
-    compute_dw: bool, compute_db: bool, vocab_block: int = 0,
+    compute_dw: bool, compute_db: bool, vocab_block: int = 0, logits: str = "float32",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dW, db) of linear_cross_entropy for per-token (or 0-d) upstream gradients; empty
     tensors for gradients not computed."""
     if input.is_cuda:
         spec = _op.Spec(reduction, ignore_index, label_smoothing, z_loss, softcap, grad_lse is not None)
         out = _op.backward_gpu(input, linear_weight, target, linear_bias, weight, lse, stats, spec, chunk_size,
-                               accumulate, vocab_block, grad_loss=grad_loss, grad_lse=grad_lse, need_dx=compute_dx,
+                               accumulate, vocab_block, logits, grad_loss=grad_loss, grad_lse=grad_lse, need_dx=compute_dx,
                                need_dw=compute_dw, need_db=compute_db)
     else:
         out = _op.reference_grad_torch(
             input, linear_weight, target, linear_bias, weight, reduction=reduction, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, grad_loss=grad_loss, grad_lse=grad_lse,
-            lse=lse, stats=stats)
+            lse=lse, stats=stats, round_product=logits == "input")
         out = (out[0] if compute_dx else None, out[1] if compute_dw else None,
                out[2] if compute_db else None)
     return tuple(input.new_empty(0) if t is None else t for t in out)  # type: ignore[return-value]
@@ -291,7 +292,7 @@ def _bwd_fake(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
     lse: Tensor, stats: Tensor, grad_loss: Tensor, grad_lse: Tensor | None, reduction: str, ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: float, chunk_size: int, accumulate: str, compute_dx: bool,
-    compute_dw: bool, compute_db: bool, vocab_block: int = 0,
+    compute_dw: bool, compute_db: bool, vocab_block: int = 0, logits: str = "float32",
 ) -> tuple[Tensor, Tensor, Tensor]:
     T, H = input.shape
     V = linear_weight.shape[0]
@@ -341,9 +342,11 @@ def linear_cross_entropy(
             input, linear_weight, linear_bias = cast  # type: ignore[assignment]
         _op.check_targets_host(target, linear_weight.shape[0], spec.ignore_index)
         loss, lse = _op.reference_torch(input, linear_weight, target, linear_bias, weight, spec.reduction,
-                                        spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap)
+                                        spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap,
+                                        round_product=opts.logits == "input")
         return (loss, lse) if return_lse else loss
-    if (path == DISPATCH and options is None and _is_compiling() and get_compile_policy() == "inductor"
+    # (16-bit logits are what torch's form computes anyway)
+    if (path == DISPATCH and _op.is_default_chunking(opts) and _is_compiling() and get_compile_policy() == "inductor"
             and T * V * 4 <= COMPILE_AS_TORCH_MAX_LOGITS_BYTES):
         if not (spec.z_loss or return_lse):  # exactly torch's graph: its fused loss, its saved tensors
             z = _op.reference_logits_torch(input.reshape(T, H), linear_weight, linear_bias, spec.softcap,
@@ -363,7 +366,7 @@ def linear_cross_entropy(
              grad and linear_bias is not None and linear_bias.requires_grad)
     args = (input.reshape(T, H), linear_weight, target.reshape(T), linear_bias, weight, spec.reduction,
             spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap, spec.return_lse, chunk,
-            opts.grad_accumulation, opts.allow_retain_graph, *flags, vocab_block)
+            opts.grad_accumulation, opts.allow_retain_graph, *flags, vocab_block, opts.logits)
     if path == DISPATCH:
         out = LCE(*args)
     else:
