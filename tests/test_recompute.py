@@ -36,6 +36,12 @@ class Block(nn.Module):
         return x + self.down(self.act(self.gate(y), self.up(y)))
 
 
+@pytest.fixture(autouse=True)
+def _every_size(monkeypatch):
+    """These models are tiny: recompute every output (MIN_BYTES has its own test)."""
+    monkeypatch.setattr(rc, "MIN_BYTES", 0)
+
+
 def _model(norm: str, dtype: torch.dtype, device: str) -> nn.Module:
     torch.manual_seed(0)
     m = nn.Sequential(Block(16, 24, norm), Block(16, 24, norm)).to(device, dtype)
@@ -229,3 +235,39 @@ def test_views_with_offsets_are_remade_in_place():
 
     for a, b in zip(run(False), run(True), strict=True):
         assert torch.equal(a, b)
+
+
+def test_min_bytes_keeps_small_outputs_stored(monkeypatch):
+    """Outputs under min_bytes are stored (no remake); a scoped block whose first floating-point
+    input is under MIN_BYTES enters no scope (its saves meet no hooks); a bad min_bytes raises."""
+    model = _model("rms", torch.float32, "cpu")
+    x = torch.randn(3, 5, 16)  # norm outputs 960 bytes, gated products 1,440 bytes
+    made: list[str] = []
+    materialize = rc._Recipe.materialize
+    monkeypatch.setattr(rc._Recipe, "materialize", lambda self: made.append(self.where) or materialize(self))
+
+    def remakes(min_bytes):
+        made.clear()
+        xr = x.clone().requires_grad_()
+        with cukit.nn.recomputing(min_bytes):
+            model(xr).sum().backward()
+        return sorted(set(made))
+
+    assert remakes(2000) == []
+    assert remakes(1000) == ["cukit.nn.GatedActivation"]
+    assert len(remakes(0)) == 2
+    monkeypatch.setattr(rc, "MIN_BYTES", 961)
+    assert remakes(None) == ["cukit.nn.GatedActivation"]
+    # the patch rule's scoped forward: no scope for an input under MIN_BYTES
+    scoped = cukit.nn.patch(copy.deepcopy(model))
+    seen: list[bool] = []
+    inner = type(scoped[0].norm).forward
+    monkeypatch.setattr(type(scoped[0].norm), "forward", lambda self, *a: seen.append(
+        rc._STATE.depth > 0) or inner(self, *a))
+    scoped(x.clone().requires_grad_())  # 960 bytes < 961
+    monkeypatch.setattr(rc, "MIN_BYTES", 960)
+    scoped(x.clone().requires_grad_())
+    assert seen == [False, False, True, True]
+    with pytest.raises(ValueError, match=r"cukit.nn.recomputing: min_bytes must be None or an int >= 0; got -1"), \
+            cukit.nn.recomputing(-1):
+        pass
