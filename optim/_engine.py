@@ -119,7 +119,8 @@ class TensorTable:
         """Point list `li` at `tensors` (new gradients of the same parameters: same count, element
         counts, device, itemsize), rewriting its addresses and the alignment flags in place in the
         device table (one host-to-device copy on the current stream, after the launches that read
-        the old one). The work items and launch shape stay; ValueError if a tensor does not fit."""
+        the old one, from pinned memory: no host sync). The work items and launch shape stay;
+        ValueError if a tensor does not fit."""
         T, device = self.T, self.table.device
         if len(tensors) != T:
             raise ValueError(f"list {li} needs {T} tensors; got {len(tensors)}")
@@ -134,7 +135,12 @@ class TensorTable:
         info = host[(L + 1) * T : (L + 2) * T]
         info[:] = (info & ~np.int64(ALIGNED_BIT)) | np.where(aligned, ALIGNED_BIT, 0)
         self.aligned = aligned
-        self.table.copy_(torch.from_numpy(host))
+        # A copy from pageable memory would wait for the stream to drain (a host sync on every step
+        # whose backward allocated its gradients anew). torch's pinned allocator keeps the staging
+        # block until the copy has run, so the next call never overwrites it early.
+        staging = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
+        staging.numpy()[...] = host
+        self.table.copy_(staging, non_blocking=True)
 
     def tensor_of_chunk(self, c: int) -> tuple[int, int]:
         """(tensor, first element) of work item `c` (host-side decoding, for tests)."""
