@@ -298,6 +298,10 @@ def test_cpu_opcheck():
         args = _op_args(x.requires_grad_(), w.requires_grad_(), y, b.requires_grad_(), cw, reduction,
                         label_smoothing=0.1, z_loss=0.01)
         torch.library.opcheck(torch.ops.cukit.linear_cross_entropy.default, args)
+    # the logits option (the schema's last argument), in a 16-bit dtype where it rounds
+    xb, wb, bb = (t.detach().to(torch.bfloat16).requires_grad_() for t in (x, w, b))
+    torch.library.opcheck(torch.ops.cukit.linear_cross_entropy.default,
+                          (*_op_args(xb, wb, y, bb, cw, "mean"), 0, "input"))
     lse = torch.logsumexp(x.detach() @ w.detach().T + b.detach(), 1)
     stats = lce.stats_torch(y, cw, 6, -100, True, torch.float32)
     torch.library.opcheck(torch.ops.cukit.linear_cross_entropy_backward.default,
@@ -1204,6 +1208,8 @@ def test_gpu_opcheck(dtype):
         op = torch.ops.cukit.linear_cross_entropy.default
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
         torch.library.opcheck(op, (*args[:13], True, *args[14:]))
+        if dtype == torch.bfloat16:  # the 16-bit workspace (the schema's logits argument)
+            torch.library.opcheck(op, (*args[:13], True, *args[14:], 0, "input"))
 
 
 @pytest.mark.gpu
@@ -1227,10 +1233,11 @@ def test_gpu_torch_compile_fullgraph(compile_policy: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("H", [128, 160])  # 160: 'mean' stores the logit gradients (300 <= 2 x 160)
-def test_gpu_cuda_graph_capture_and_replay(reduction, H):
-    x, w, y, _, _ = make(300, H, 1000, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("logits", ["float32", "input"])
+def test_gpu_cuda_graph_capture_and_replay(reduction, H, logits):
+    x, w, y, _, _ = make(300, H, 1000, dtype=torch.bfloat16, device="cuda", grid=True)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    opts = cukit.LinearCrossEntropyOptions(chunk_size=128)
+    opts = cukit.LinearCrossEntropyOptions(chunk_size=128, logits=logits)
 
     def step():
         xr.grad = wr.grad = None
@@ -1251,11 +1258,11 @@ def test_gpu_cuda_graph_capture_and_replay(reduction, H):
         loss.sum().backward()
     new_y = torch.randint(0, 1000, y.shape, device="cuda")
     with torch.no_grad():
-        xr.copy_(torch.randn_like(xr))
+        xr.copy_(make(300, H, 1000, dtype=torch.bfloat16, device="cuda", grid=True, seed=1)[0])
     y.copy_(new_y)
     graph.replay()
     torch.cuda.synchronize()
-    exp = oracle(xr.detach().cpu(), w.cpu(), y.cpu(), reduction=reduction)
+    exp = oracle(xr.detach().cpu(), w.cpu(), y.cpu(), reduction=reduction, round_product=logits == "input")
     assert_close(loss.cpu(), exp[0], atol=2e-5, rtol=2e-5)
     assert rel_err(xr.grad, exp[2]) < 1.5e-2 and rel_err(wr.grad, exp[3]) < 1.5e-2
 
