@@ -98,7 +98,7 @@ def _instantiations() -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name in FLOAT_DTYPES:
         t, a = DTYPES[name].ctype, DTYPES[_acc_name(name)].ctype
-        ws = (a, t) if t != a and name != "float32" else (a,)  # the workspace: A, or T (logits="input")
+        ws = (a, t) if t != a else (a,)  # the workspace: A, or the 16-bit T (logits="input")
         exprs = [f"ce_rows<{t}, {w}, {y}, {m}>" for w in ws for y in ("long long", "int") for m in (0, 1, 2)]
         exprs.append(f"ce_colsum<{t}>")
         for v in (4, 1):  # the vector path and the scalar path

@@ -345,9 +345,10 @@ def linear_cross_entropy(
                                         spec.ignore_index, spec.label_smoothing, spec.z_loss, spec.softcap,
                                         round_product=opts.logits == "input")
         return (loss, lse) if return_lse else loss
-    # (16-bit logits are what torch's form computes anyway)
-    if (path == DISPATCH and _op.is_default_chunking(opts) and _is_compiling() and get_compile_policy() == "inductor"
-            and T * V * 4 <= COMPILE_AS_TORCH_MAX_LOGITS_BYTES):
+    # (16-bit logits are what torch's form computes anyway; the options are compared last, once
+    # the cheap tests pass)
+    if (path == DISPATCH and _is_compiling() and get_compile_policy() == "inductor"
+            and T * V * 4 <= COMPILE_AS_TORCH_MAX_LOGITS_BYTES and _op.is_default_chunking(opts)):
         if not (spec.z_loss or return_lse):  # exactly torch's graph: its fused loss, its saved tensors
             z = _op.reference_logits_torch(input.reshape(T, H), linear_weight, linear_bias, spec.softcap,
                                            product_in_input_dtype=True)
