@@ -43,7 +43,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from cukit.interop import contiguous, is_contiguous
+
 __all__ = [
+    "Densify",
     "KernelCompileError",
     "KernelModule",
     "Launch",
@@ -697,6 +700,32 @@ class PlanCache:
     def all_stats(cls) -> dict[str, dict[str, int]]:
         """Every plan cache of the process by name (``cukit info`` and tests)."""
         return {c.name: c.stats() for c in cls._ALL}
+
+
+class Densify:
+    """A plan-cache entry for a signature some of whose arrays a kernel cannot take as they are
+    (not C-contiguous, or a layout the op's kernels do not read): the call copies those arrays
+    (``mask``: one flag per array, in the order the op passes them) and runs again under the dense
+    signature, which has its own entry. The key holds every stride, so the entry is exact. Without
+    it such a signature would miss the cache on every call and repeat the first call's validation
+    and planning: an expanded gradient from ``y.sum().backward()``, a ``chunk`` view."""
+
+    __slots__ = ("kind", "mask")
+
+    def __init__(self, mask: Sequence[bool], kind: str) -> None:
+        self.mask, self.kind = tuple(mask), kind
+
+    def apply(self, arrays: Sequence[Any]) -> list[Any]:
+        """The arrays with the flagged ones copied to C-contiguous."""
+        return [contiguous(a, self.kind) if m else a for a, m in zip(arrays, self.mask, strict=True)]
+
+    @classmethod
+    def needed(cls, arrays: Sequence[Any], kind: str, mask: Sequence[bool] | None = None) -> Densify | None:
+        """The entry for `arrays` (flagged: `mask`, else the arrays that are not C-contiguous), or
+        None when nothing needs copying."""
+        if mask is None:
+            mask = [not is_contiguous(a, kind) for a in arrays]
+        return cls(mask, kind) if any(mask) else None
 
 
 def _template_name(name_expr: str) -> str:

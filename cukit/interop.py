@@ -297,6 +297,29 @@ def element_strides(x: Any, kind: str | None = None) -> tuple[int, ...] | None:
     return tuple(s // isz for s in x.strides)
 
 
+def is_contiguous(a: Any, kind: str) -> bool:
+    """Whether `a` is C-contiguous (torch or CuPy/NumPy, `kind` as :func:`array_kind` names it);
+    None counts as contiguous (an absent optional array)."""
+    if a is None:
+        return True
+    return bool(a.is_contiguous() if kind == "torch" else a.flags.c_contiguous)
+
+
+def contiguous(a: Any, kind: str) -> Any:
+    """`a` itself when C-contiguous, else a C-contiguous copy in the same library (None stays None).
+
+    See also: ``torch.Tensor.contiguous``, ``numpy.ascontiguousarray``."""
+    if a is None:
+        return None
+    if kind == "torch":
+        return a.contiguous()
+    if kind == "numpy":
+        return np.ascontiguousarray(a)
+    import cupy
+
+    return cupy.ascontiguousarray(a)
+
+
 def asarray(x: Any) -> Any:
     """A CuPy array viewing a GPU array with zero copy: ``y = x`` (same memory).
 

@@ -839,7 +839,7 @@ def test_eigh_route_host_side_on_cpu(monkeypatch, expo):
     monkeypatch.setattr(L.KERNELS, "prepare", fake.prepare)
     monkeypatch.setattr(L, "current_stream", lambda device, torch_involved: None)
     monkeypatch.setattr(L, "_eigh_gpu", lambda a, kind, device: torch.linalg.eigh(a))  # V column-major
-    monkeypatch.setattr(L, "_contiguous", lambda t, kind: fake.bases.append(c := t.contiguous()) or c)
+    monkeypatch.setattr(L, "contiguous", lambda t, kind: fake.bases.append(c := t.contiguous()) or c)
     a = spd((4,), 7)
     a[2] = 0.0
     ta = torch.from_numpy(a)

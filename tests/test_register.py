@@ -15,9 +15,13 @@ import torch.nn.functional as F  # noqa: E402
 
 import cukit  # noqa: E402
 import cukit.nn  # noqa: E402
-from cukit._runtime import PlanCache  # noqa: E402
+from cukit._runtime import Densify, PlanCache  # noqa: E402
+from cukit.interop import contiguous, is_contiguous  # noqa: E402
 from cukit.ops import bias_act as bias_act_op  # noqa: E402
+from cukit.ops import glu as glu_op  # noqa: E402
 from cukit.ops import matmul as matmul_op  # noqa: E402
+from cukit.ops import norm as norm_op  # noqa: E402
+from cukit.ops import rope as rope_op  # noqa: E402
 from cukit.torch import _register as reg  # noqa: E402
 
 
@@ -306,6 +310,80 @@ def test_plan_cache_reuse_and_new_signatures(dtype):
     assert len(bias_act_op._FWD_PLANS) == 1 and bias_act_op._FWD_PLANS.hits == 1
     torch.testing.assert_close(y2.float(), F.gelu((x + 1).float() + bias.float()), rtol=2e-2, atol=2e-2)
     assert not torch.equal(y1, y2)
+
+
+def test_densify_entry_copies_only_what_it_flags():
+    import numpy as np
+
+    a = np.arange(12.0).reshape(3, 4)
+    t = torch.arange(12.0).reshape(3, 4)
+    for arr, kind in ((a, "numpy"), (t, "torch")):
+        view = arr.T
+        assert is_contiguous(arr, kind) and not is_contiguous(view, kind) and is_contiguous(None, kind)
+        assert contiguous(arr, kind) is arr and contiguous(None, kind) is None
+        assert Densify.needed((arr, arr[:, :2]), kind).mask == (False, True)
+        assert Densify.needed((arr, None), kind) is None
+        d = Densify.needed((view, arr, None), kind)
+        out = d.apply((view, arr, None))
+        assert is_contiguous(out[0], kind) and out[1] is arr and out[2] is None
+        assert (out[0] == view).all()
+        # an explicit mask (an op's own layout rule) wins over contiguity
+        assert Densify.needed((arr, view), kind, (True, False)).apply((arr, view))[1] is view
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plan_cache_serves_non_contiguous_signatures(dtype):
+    """A signature with non-contiguous arrays (an expanded gradient, a chunk view, a transpose) is
+    planned once: later calls copy and reuse the dense plan instead of missing the cache."""
+    dev = "cuda"
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype is torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    caches = [bias_act_op._FWD_PLANS, bias_act_op._BWD_PLANS, glu_op._FWD_PLANS, glu_op._BWD_PLANS,
+              norm_op._FWD_PLANS, norm_op._BWD_PLANS, rope_op._PLANS]
+
+    def run(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator(device=dev).manual_seed(seed)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, device=dev, dtype=dtype, generator=g)
+
+        def leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
+            return [t.detach().float().requires_grad_() for t in ts]
+
+        pairs = []
+        # bias_act on a column-major x; backward with the expanded gradient of .sum()
+        x, b = rand(24, 64).requires_grad_(), rand(64).requires_grad_()
+        cukit.bias_act(x.t().contiguous().t(), b, "gelu").sum().backward()
+        xr, br = leaves(x, b)
+        F.gelu(xr + br).sum().backward()
+        pairs += [(x.grad, xr.grad), (b.grad, br.grad)]
+        # swiglu on the halves of one fused projection (chunk views, row stride twice the width)
+        gu = rand(6, 128).requires_grad_()
+        cukit.swiglu(*gu.chunk(2, dim=-1)).sum().backward()
+        (gr,) = leaves(gu)
+        gate, up = gr.chunk(2, dim=-1)
+        (F.silu(gate) * up).sum().backward()
+        pairs.append((gu.grad, gr.grad))
+        # rms_norm on a column-major x, backward with an expanded gradient
+        x, w = rand(24, 64).requires_grad_(), rand(64).requires_grad_()
+        cukit.rms_norm(x.t().contiguous().t(), w, 1e-6).sum().backward()
+        xr, wr = leaves(x, w)
+        F.rms_norm(xr, (64,), wr, 1e-6).sum().backward()
+        pairs += [(x.grad, xr.grad), (w.grad, wr.grad)]
+        # rope with a q whose head_dim stride is not 1 (the kernel reads any layout that has it)
+        q, k, cos, sin = rand(2, 3, 5, 16), rand(2, 1, 5, 16), rand(2, 5, 16), rand(2, 5, 16)
+        qo, _ = cukit.rotary_embedding(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, cos, sin)
+        qr, c, sn = q.float(), cos.float()[:, None], sin.float()[:, None]
+        pairs.append((qo, qr * c + torch.cat((-qr[..., 8:], qr[..., :8]), -1) * sn))
+        return pairs
+
+    run(0)  # first calls: every signature planned (non-contiguous ones as Densify entries)
+    misses = [c.misses for c in caches]
+    assert any(isinstance(v, Densify) for c in caches for v in c._data.values())
+    for got, want in run(1):  # same signatures, new data and pointers: no plan is made again
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert [c.misses for c in caches] == misses
 
 
 @pytest.mark.gpu

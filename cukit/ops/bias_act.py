@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from cukit._device import sm_count
-from cukit._runtime import KernelModule, PlanCache
+from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
     DType,
@@ -309,14 +309,6 @@ def _backward_arrays(grad: Any, x: Any, bias: Any, activation: str) -> tuple[Any
 # ---------------------------------------------------------------------------------------------
 
 
-def _contiguous(a: Any, kind: str) -> Any:
-    if kind == "torch":
-        return a.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(a)
-
-
 def _empty(shape: tuple[int, ...], like: Any, kind: str, dtype: str | None = None) -> Any:
     if kind == "torch":
         import torch
@@ -380,6 +372,8 @@ def forward_gpu(x: Any, bias: Any, act: int) -> Any:
     plan = _FWD_PLANS.get(key)
     if plan is None:
         return _forward_first(x, bias, act, key)
+    if plan.__class__ is Densify:
+        return forward_gpu(*plan.apply((x, bias)), act)
     if hasattr(x, "data_ptr"):
         y = x.new_empty(plan.shape)
         if plan.run is not None:
@@ -396,14 +390,14 @@ def _forward_first(x: Any, bias: Any, act: int, key: tuple) -> Any:
     device = device_of(x)
     if device is None:
         raise ValueError("cukit.ops.bias_act.forward_gpu: x and bias must be CUDA arrays; got arrays on the CPU")
-    cacheable = _is_contiguous(x, kind) and _is_contiguous(bias, kind)
-    x = _contiguous(x, kind)
-    bias = _contiguous(bias, kind)
+    dense = Densify.needed((x, bias), kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _FWD_PLANS.put(key, dense)
+        return forward_gpu(*dense.apply((x, bias)), act)
     y = _empty(tuple(x.shape), x, kind)
     n = math.prod(x.shape)
     if n == 0:
-        if cacheable:
-            _FWD_PLANS.put(key, _FwdPlan(tuple(y.shape), None))
+        _FWD_PLANS.put(key, _FwdPlan(tuple(y.shape), None))
         return y
     C = int(bias.shape[0])
     px, pb, py = _ptr(x, kind), _ptr(bias, kind), _ptr(y, kind)
@@ -427,8 +421,7 @@ def _forward_first(x: Any, bias: Any, act: int, key: tuple) -> Any:
             f"bias_act_fwd<{dt.ctype}, {act}, {vec}, {index}>", (blocks,), (_BLOCK,), (n, C), device=device
         )
     run((px, pb, py), current_stream(device, kind == "torch"))
-    if cacheable:
-        _FWD_PLANS.put(key, _FwdPlan(tuple(y.shape), run))
+    _FWD_PLANS.put(key, _FwdPlan(tuple(y.shape), run))
     return y
 
 
@@ -442,6 +435,8 @@ def backward_gpu(grad: Any, x: Any, bias: Any, act: int) -> tuple[Any, Any]:
     plan = _BWD_PLANS.get(key)
     if plan is None:
         return _backward_first(grad, x, bias, act, key)
+    if plan.__class__ is Densify:
+        return backward_gpu(*plan.apply((grad, x, bias)), act)
     C = bias.shape[0]
     if hasattr(x, "data_ptr"):
         dx = x.new_empty(x.shape)
@@ -477,10 +472,10 @@ def _backward_first(grad: Any, x: Any, bias: Any, act: int, key: tuple) -> tuple
         raise ValueError(
             "cukit.ops.bias_act.backward_gpu: grad, x and bias must be CUDA arrays; got arrays on the CPU"
         )
-    cacheable = all(_is_contiguous(t, kind) for t in (grad, x, bias))
-    grad = _contiguous(grad, kind)
-    x = _contiguous(x, kind)
-    bias = _contiguous(bias, kind)
+    dense = Densify.needed((grad, x, bias), kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _BWD_PLANS.put(key, dense)
+        return backward_gpu(*dense.apply((grad, x, bias)), act)
     dx = _empty(tuple(x.shape), x, kind)
     C = int(bias.shape[0])
     n = math.prod(x.shape)
@@ -526,13 +521,8 @@ def _backward_first(grad: Any, x: Any, bias: Any, act: int, key: tuple) -> tuple
         pp = _ptr(partial, kind)
         main((pg, px, pb, pdx, pp, 0), stream)
         reduce((pp, _ptr(dbias, kind)), stream)
-    if cacheable:
-        _BWD_PLANS.put(key, _BwdPlan(main, reduce, splits, acc))
+    _BWD_PLANS.put(key, _BwdPlan(main, reduce, splits, acc))
     return dx, dbias
-
-
-def _is_contiguous(a: Any, kind: str) -> bool:
-    return bool(a.is_contiguous() if kind == "torch" else a.flags.c_contiguous)
 
 
 # ---------------------------------------------------------------------------------------------

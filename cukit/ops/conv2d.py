@@ -28,10 +28,12 @@ from cukit.interop import (
     array_class,
     array_kind,
     as_array,
+    contiguous,
     current_stream,
     device_of,
     dtype_name,
     is_array,
+    is_contiguous,
     not_an_array_error,
     type_name,
 )
@@ -368,18 +370,6 @@ def _tile_cols(n: int) -> int:
     return next((bn for bn in _TILE_COLS if n <= bn), _TILE_COLS[-1])
 
 
-def _contiguous(a: Any, kind: str) -> Any:
-    if kind == "torch":
-        return a.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(a)
-
-
-def _is_contiguous(a: Any, kind: str) -> bool:
-    return bool(a.is_contiguous() if kind == "torch" else a.flags.c_contiguous)
-
-
 def _empty(shape: tuple[int, ...], like: Any, kind: str, dtype: str | None = None) -> Any:
     if kind == "torch":
         import torch
@@ -436,11 +426,11 @@ def forward_gpu(x: Any, weight: Any, bias: Any, params: Params | Sequence[Sequen
     torch_in = hasattr(x, "data_ptr")
     kind = "torch" if torch_in else "cupy"
     if plan.copies[0]:
-        x = _contiguous(x, kind)
+        x = contiguous(x, kind)
     if plan.copies[1]:
-        weight = _contiguous(weight, kind)
+        weight = contiguous(weight, kind)
     if plan.copies[2]:
-        bias = _contiguous(bias, kind)
+        bias = contiguous(bias, kind)
     if torch_in:
         y = x.new_empty(plan.y_shape)
         z = x.new_empty(plan.y_shape) if save_z else None
@@ -463,10 +453,10 @@ def _forward_first(x: Any, weight: Any, bias: Any, params: Any, act: int, save_z
     params = _as_params(params)
     geo = geometry(x.shape, weight.shape, params)
     N, _, _, _, K, P, Q = geo[:7]
-    copies = (not _is_contiguous(x, kind), not _is_contiguous(weight, kind),
-              bias is not None and not _is_contiguous(bias, kind))
-    x, weight = _contiguous(x, kind), _contiguous(weight, kind)
-    bias = None if bias is None else _contiguous(bias, kind)
+    copies = (not is_contiguous(x, kind), not is_contiguous(weight, kind),
+              bias is not None and not is_contiguous(bias, kind))
+    x, weight = contiguous(x, kind), contiguous(weight, kind)
+    bias = None if bias is None else contiguous(bias, kind)
     y_shape = (N, K, P, Q)
     y = _empty(y_shape, x, kind)
     z = _empty(y_shape, x, kind) if save_z else None
@@ -481,7 +471,6 @@ def _forward_first(x: Any, weight: Any, bias: Any, params: Any, act: int, save_z
         run((_ptr(x), _ptr(weight), _ptr(bias), _ptr(y), _ptr(z)), current_stream(device, kind == "torch"))
     _FWD_PLANS.put(key, _FwdPlan(y_shape, copies, run))
     return y, z
-
 
 
 def _as_params(params: Any) -> Params:
@@ -533,13 +522,13 @@ def _backward_run(plan: _BwdPlan, grad: Any, x: Any, weight: Any, saved: Any, ha
     torch_in = hasattr(x, "data_ptr")
     kind = "torch" if torch_in else "cupy"
     if plan.copies[0]:
-        grad = _contiguous(grad, kind)
+        grad = contiguous(grad, kind)
     if plan.copies[1]:
-        x = _contiguous(x, kind)
+        x = contiguous(x, kind)
     if plan.copies[2]:
-        weight = _contiguous(weight, kind)
+        weight = contiguous(weight, kind)
     if plan.copies[3]:
-        saved = _contiguous(saved, kind)
+        saved = contiguous(saved, kind)
     K = weight.shape[0]
     dw = _empty(tuple(weight.shape), weight, kind)
     db = _empty((K,), weight, kind) if has_bias else None
@@ -580,7 +569,7 @@ def _backward_first(grad: Any, x: Any, weight: Any, saved: Any, params: Any, act
                              f"device; got {got}")
     if act < 0:
         saved = None
-    copies = tuple(t is not None and not _is_contiguous(t, kind) for t in (grad, x, weight, saved))
+    copies = tuple(t is not None and not is_contiguous(t, kind) for t in (grad, x, weight, saved))
     dt = DTYPES[dtype_name(x, kind)]
     acc = "float64" if dt.name == "float64" else "float32"
     crs = C * R * S

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cukit._device import sm_count
-from cukit._runtime import KernelModule, PlanCache
+from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
     DType,
@@ -35,10 +35,8 @@ from cukit.ops.bias_act import (
     ACTIVATIONS,
     FLOAT_DTYPES,
     _acc_dtype,
-    _contiguous,
     _dtypes_text,
     _empty,
-    _is_contiguous,
     _np_act,
     _np_act_grad,
     _ptr,
@@ -325,6 +323,8 @@ def forward_gpu(gate: Any, up: Any, act: int) -> Any:
     plan = _FWD_PLANS.get(key)
     if plan is None:
         return _forward_first(gate, up, act, key)
+    if plan.__class__ is Densify:
+        return forward_gpu(*plan.apply((gate, up)), act)
     if hasattr(gate, "data_ptr"):
         y = gate.new_empty(plan.shape)
         if plan.run is not None:
@@ -341,8 +341,10 @@ def _forward_first(gate: Any, up: Any, act: int, key: tuple) -> Any:
     device = device_of(gate)
     if device is None:
         raise ValueError("cukit.ops.glu.forward_gpu: gate and up must be CUDA arrays; got arrays on the CPU")
-    cacheable = _is_contiguous(gate, kind) and _is_contiguous(up, kind)
-    gate, up = _contiguous(gate, kind), _contiguous(up, kind)
+    dense = Densify.needed((gate, up), kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _FWD_PLANS.put(key, dense)
+        return forward_gpu(*dense.apply((gate, up)), act)
     y = _empty(tuple(gate.shape), gate, kind)
     n = math.prod(gate.shape)
     run = None
@@ -351,8 +353,7 @@ def _forward_first(gate: Any, up: Any, act: int, key: tuple) -> Any:
         vec, blocks = _launch_shape(dt, n, [pg, pu, py], device)
         run = KERNELS.prepare(f"glu_fwd<{dt.ctype}, {act}, {vec}>", (blocks,), (_BLOCK,), (n,), device=device)
         run((pg, pu, py), current_stream(device, kind == "torch"))
-    if cacheable:
-        _FWD_PLANS.put(key, _Plan(tuple(y.shape), run))
+    _FWD_PLANS.put(key, _Plan(tuple(y.shape), run))
     return y
 
 
@@ -363,6 +364,8 @@ def backward_gpu(grad: Any, gate: Any, up: Any, act: int) -> tuple[Any, Any]:
     plan = _BWD_PLANS.get(key)
     if plan is None:
         return _backward_first(grad, gate, up, act, key)
+    if plan.__class__ is Densify:
+        return backward_gpu(*plan.apply((grad, gate, up)), act)
     if hasattr(gate, "data_ptr"):
         dg, du = gate.new_empty(plan.shape), gate.new_empty(plan.shape)
         if plan.run is not None:
@@ -384,8 +387,10 @@ def _backward_first(grad: Any, gate: Any, up: Any, act: int, key: tuple) -> tupl
     device = device_of(gate)
     if device is None:
         raise ValueError("cukit.ops.glu.backward_gpu: grad, gate and up must be CUDA arrays; got arrays on the CPU")
-    cacheable = all(_is_contiguous(t, kind) for t in (grad, gate, up))
-    grad, gate, up = (_contiguous(t, kind) for t in (grad, gate, up))
+    dense = Densify.needed((grad, gate, up), kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _BWD_PLANS.put(key, dense)
+        return backward_gpu(*dense.apply((grad, gate, up)), act)
     shape = tuple(gate.shape)
     dg, du = _empty(shape, gate, kind), _empty(shape, gate, kind)
     n = math.prod(shape)
@@ -395,8 +400,7 @@ def _backward_first(grad: Any, gate: Any, up: Any, act: int, key: tuple) -> tupl
         vec, blocks = _launch_shape(dt, n, ptrs, device)
         run = KERNELS.prepare(f"glu_bwd<{dt.ctype}, {act}, {vec}>", (blocks,), (_BLOCK,), (n,), device=device)
         run(tuple(ptrs), current_stream(device, kind == "torch"))
-    if cacheable:
-        _BWD_PLANS.put(key, _Plan(shape, run))
+    _BWD_PLANS.put(key, _Plan(shape, run))
     return dg, du
 
 

@@ -31,13 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from cukit._runtime import KernelModule, PlanCache
+from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
     DType,
     array_class,
     array_kind,
     as_array,
+    contiguous,
     current_stream,
     device_of,
     dtype_name,
@@ -218,14 +219,6 @@ def _empty(shape: tuple[int, ...], like: Any, kind: str, dtype: str | None = Non
         return cupy.empty(shape, dtype=dtype or like.dtype)
 
 
-def _contiguous(a: Any, kind: str) -> Any:
-    if kind == "torch":
-        return a.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(a)
-
-
 def _mT(a: Any) -> Any:
     return a.mT if hasattr(a, "mT") else a.swapaxes(-1, -2)
 
@@ -386,7 +379,7 @@ def _root(fn: str, A: Any, p: Any, sign: int, eps: Any, method: Any, max_iters: 
         if nb:
             info[...] = 0
     else:
-        a3 = _contiguous(A, kind).reshape(nb, n, n)
+        a3 = contiguous(A, kind).reshape(nb, n, n)
         if route == "eigh":
             x, info = _eigh_root_gpu(a3, kind, device, dt, sign / p, eps)
         else:
@@ -536,8 +529,8 @@ def _eigh_root_gpu(a: Any, kind: str, device: int, dt: DType, expo: float, eps: 
     """(max(w, 0) + r)^expo applied through V for contiguous (B, n, n) CUDA arrays."""
     nb, n = int(a.shape[0]), int(a.shape[1])
     w, v = _eigh_gpu(a, kind, device)
-    v = _contiguous(v, kind)
-    w = _contiguous(w, kind)
+    v = contiguous(v, kind)
+    w = contiguous(w, kind)
     key = _key("eig", a, expo, eps)
     run = _EIG_PLANS.get(key)
     if run is None:
@@ -642,7 +635,7 @@ def matrix_power(A: Any, k: int, *, precision: str = "ieee") -> Any:
     nb = math.prod(A.shape[:-2])
     if nb == 0 or n == 0:
         return _empty(tuple(A.shape), A, kind)
-    a = _contiguous(A, kind).reshape(nb, n, n)
+    a = contiguous(A, kind).reshape(nb, n, n)
     if k == 0:
         return _eye(nb, n, A, kind).reshape(A.shape)
     # A^k = A^(k-1) applied to A: the squares of A in two buffers, results ping-pong
@@ -738,6 +731,8 @@ class _KronPlan:
 def _kron_gpu(a: Any, b: Any, batch_dims: int, kind: str, device: int, dt: DType) -> Any:
     key = (_key("kron", a, batch_dims), _key("kron_b", b), _ptr(a) & 15, _ptr(b) & 15)
     plan = _KRON_PLANS.get(key)
+    if plan.__class__ is Densify:
+        return _kron_gpu(*plan.apply((a, b)), batch_dims, kind, device, dt)
     if plan is not None and plan.run is not None:
         out = _empty(plan.shape, a, kind)
         plan.run((_ptr(a), _ptr(b), _ptr(out)), current_stream(device, kind == "torch"))
@@ -746,9 +741,11 @@ def _kron_gpu(a: Any, b: Any, batch_dims: int, kind: str, device: int, dt: DType
     nd = len(pa)
     shape = (*batch, *(pa[d] * qb[d] for d in range(nd)))
     if nd > _KRON_DIMS or math.prod(shape) == 0 or (nd and pa[-1] * qb[-1] > _INT32_MAX):
-        return kron_reference(_contiguous(a, kind), _contiguous(b, kind), batch_dims)
-    cacheable = _is_contiguous(a, kind) and _is_contiguous(b, kind)
-    a, b = _contiguous(a, kind), _contiguous(b, kind)
+        return kron_reference(contiguous(a, kind), contiguous(b, kind), batch_dims)
+    dense = Densify.needed((a, b), kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _KRON_PLANS.put(key, dense)
+        return _kron_gpu(*dense.apply((a, b)), batch_dims, kind, device, dt)
     out = _empty(shape, a, kind)
     p4 = (1,) * (_KRON_DIMS - nd) + pa
     q4 = (1,) * (_KRON_DIMS - nd) + qb
@@ -763,13 +760,8 @@ def _kron_gpu(a: Any, b: Any, batch_dims: int, kind: str, device: int, dt: DType
     gy = max(1, min(-(-rows // by), 65535))
     run = KERNELS.prepare(f"kron_kernel<{dt.ctype}, {vec}>", (gx, gy), (bx, by), (rows, *p4, *q4), device=device)
     run((_ptr(a), _ptr(b), _ptr(out)), current_stream(device, kind == "torch"))
-    if cacheable:
-        _KRON_PLANS.put(key, _KronPlan(shape, run))
+    _KRON_PLANS.put(key, _KronPlan(shape, run))
     return out
-
-
-def _is_contiguous(a: Any, kind: str) -> bool:
-    return bool(a.is_contiguous() if kind == "torch" else a.flags.c_contiguous)
 
 
 def kron_matvec(A: Any, B: Any, X: Any) -> Any:

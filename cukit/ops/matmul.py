@@ -57,6 +57,12 @@ from cukit.interop import (
     not_an_array_error,
     type_name,
 )
+from cukit.interop import (
+    contiguous as _contiguous,
+)
+from cukit.interop import (
+    is_contiguous as _is_contiguous,
+)
 from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
 from cukit.ops.bias_act import ACTIVATIONS, FLOAT_DTYPES, activation_id, as_bias
 from cukit.ops.bias_act import _torch_act as _bias_act_torch_act
@@ -804,18 +810,6 @@ def _prepare(mod: ModuleType, g: Gemm, variant: str | None) -> Any:
 
 def _ptr(x: Any, kind: str) -> int:
     return x.data_ptr() if kind == "torch" else x.data.ptr
-
-
-def _contiguous(x: Any, kind: str) -> Any:
-    if kind == "torch":
-        return x.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(x)
-
-
-def _is_contiguous(x: Any, kind: str) -> bool:
-    return bool(x.is_contiguous() if kind == "torch" else x.flags.c_contiguous)
 
 
 def _expand(x: Any, shape: tuple[int, ...], kind: str) -> Any:

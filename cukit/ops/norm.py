@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cukit._device import device_caps, sm_count
-from cukit._runtime import KernelModule, PlanCache
+from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
     NotAnArrayError,
@@ -481,20 +481,6 @@ def _layer_backward_arrays(grad: Any, x: Any, normalized_shape: Any, weight: Any
 # ---------------------------------------------------------------------------------------------
 
 
-def _contiguous(a: Any, kind: str) -> Any:
-    if a is None:
-        return None
-    if kind == "torch":
-        return a.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(a)
-
-
-def _is_contiguous(a: Any, kind: str) -> bool:
-    return a is None or bool(a.is_contiguous() if kind == "torch" else a.flags.c_contiguous)
-
-
 def _lib_dtype(dtype: Any, kind: str) -> Any:
     """A dtype name (or the library's dtype) as the array library's dtype object."""
     if kind == "torch":
@@ -623,6 +609,8 @@ def forward_gpu(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset: f
         plan = _FWD_PLANS.get(key)
         if plan is None:
             return _forward_first(x, weight, bias, mode, eps, offset, stats, output, key)
+        if plan.__class__ is Densify:
+            return forward_gpu(*plan.apply((x, weight, bias)), mode, eps, offset, stats, output)
         if plan.wcast is not None:
             weight = None if weight is None else weight.to(plan.wcast)
             bias = None if bias is None else bias.to(plan.wcast)
@@ -642,6 +630,8 @@ def forward_gpu(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset: f
     plan = _FWD_PLANS.get(key)
     if plan is None:
         return _forward_first(x, weight, bias, mode, eps, offset, stats, output, key)
+    if plan.__class__ is Densify:
+        return forward_gpu(*plan.apply((x, weight, bias)), mode, eps, offset, stats, output)
     weight, bias = _cast(weight, plan.wcast, "cupy"), _cast(bias, plan.wcast, "cupy")
     y = _empty(plan.shape, x, "cupy", plan.out) if output else None
     rstd = _empty(plan.stats, x, "cupy", plan.acc) if stats else None
@@ -666,8 +656,10 @@ def _forward_first(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset
     device = device_of(x)
     if device is None:
         raise ValueError(f"cukit.ops.norm.forward_gpu: x must be a CUDA array; got {type_name(x)} on the CPU")
-    cacheable = all(_is_contiguous(a, kind) for a in (x, weight, bias))
-    x, weight, bias = (_contiguous(a, kind) for a in (x, weight, bias))
+    dense = Densify.needed((x, weight, bias), kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _FWD_PLANS.put(key, dense)
+        return forward_gpu(*dense.apply((x, weight, bias)), mode, eps, offset, stats, output)
     wk = _kernel_weight(c, mode)
     wcast = wk if c.w is not None and wk != c.w else None
     weight, bias = _cast(weight, wcast, kind), _cast(bias, wcast, kind)
@@ -685,7 +677,7 @@ def _forward_first(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset
             for s in (mean, rstd):
                 if s is not None:
                     s[...] = math.nan
-        elif cacheable:
+        else:
             _FWD_PLANS.put(key, _FwdPlan(None, *plan_args))
         return y, mean, rstd
     T, W, out = DTYPES[c.x], DTYPES[wk], DTYPES[c.out]
@@ -699,8 +691,7 @@ def _forward_first(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset
     run = KERNELS.prepare(f"norm_fwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}>", (grid,), (tpr, rpb),
                           (rows, H, eps, offset), device=device)
     run(ptrs, current_stream(device, kind == "torch"))
-    if cacheable:
-        _FWD_PLANS.put(key, _FwdPlan(run, *plan_args))
+    _FWD_PLANS.put(key, _FwdPlan(run, *plan_args))
     return y, mean, rstd
 
 
@@ -726,6 +717,8 @@ def backward_gpu(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: Any
         plan = _BWD_PLANS.get(key)
         if plan is None:
             return _backward_first(grad, x, weight, bias, mean, rstd, mode, offset, key)
+        if plan.__class__ is Densify:
+            return backward_gpu(*plan.apply((grad, x, weight, bias, mean, rstd)), mode, offset)
         dx = x.new_empty(x.shape)
         dw = None if weight is None else weight.new_empty(weight.shape)
         db = None if bias is None else bias.new_empty(bias.shape)
@@ -749,6 +742,8 @@ def backward_gpu(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: Any
     plan = _BWD_PLANS.get(key)
     if plan is None:
         return _backward_first(grad, x, weight, bias, mean, rstd, mode, offset, key)
+    if plan.__class__ is Densify:
+        return backward_gpu(*plan.apply((grad, x, weight, bias, mean, rstd)), mode, offset)
     return _backward_run(plan, grad, x, weight, bias, mean, rstd, "cupy", current_stream(x.device.id, False))
 
 
@@ -785,8 +780,10 @@ def _backward_first(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: 
     if device is None:
         raise ValueError(f"cukit.ops.norm.backward_gpu: x must be a CUDA array; got {type_name(x)} on the CPU")
     arrays = (grad, x, weight, bias, mean, rstd)
-    cacheable = all(_is_contiguous(a, kind) for a in arrays)
-    grad, x, weight, bias, mean, rstd = (_contiguous(a, kind) for a in arrays)
+    dense = Densify.needed(arrays, kind)
+    if dense is not None:  # later calls copy and take the dense signature's plan
+        _BWD_PLANS.put(key, dense)
+        return backward_gpu(*dense.apply(arrays), mode, offset)
     H = int(x.shape[-1])
     rows = math.prod(x.shape[:-1])
     if rows == 0 or H == 0:  # not cached: rare, and the zero fills are not launches of ours
@@ -830,8 +827,7 @@ def _backward_first(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: 
     plan = _BwdPlan(main, reduce, (nout, blocks, H), _lib_dtype(macc, kind), blocks * H * msize,
                     None if wcast is None else _lib_dtype(wcast, kind))
     out = _backward_run(plan, grad, x, weight, bias, mean, rstd, kind, current_stream(device, kind == "torch"))
-    if cacheable:
-        _BWD_PLANS.put(key, plan)
+    _BWD_PLANS.put(key, plan)
     return out
 
 

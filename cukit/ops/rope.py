@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cukit._runtime import KernelModule, PlanCache
+from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
     NotAnArrayError,
@@ -338,6 +338,8 @@ def _rotate_gpu(q: Any, k: Any, cos: Any, sin: Any, ud: int, transpose: bool, dt
         plan = _PLANS.get(key)
         if plan is None:
             return _rotate_first(q, k, cos, sin, ud, transpose, dtype, key)
+        if plan.__class__ is Densify:
+            return _rotate_gpu(*plan.apply((q, k, cos, sin)), ud, transpose, dtype)
         # empty_like keeps q's layout and is the cheaper call; the plan's strides where it did not
         qo = _empty_like(q, dtype=plan.to) if plan.q_out is None else q.new_empty_strided(*plan.q_out, dtype=plan.to)
         ko = _empty_like(k, dtype=plan.to) if plan.k_out is None else k.new_empty_strided(*plan.k_out, dtype=plan.to)
@@ -353,6 +355,8 @@ def _rotate_gpu(q: Any, k: Any, cos: Any, sin: Any, ud: int, transpose: bool, dt
     plan = _PLANS.get(key)
     if plan is None:
         return _rotate_first(q, k, cos, sin, ud, transpose, dtype, key)
+    if plan.__class__ is Densify:
+        return _rotate_gpu(*plan.apply((q, k, cos, sin)), ud, transpose, dtype)
     qo = _cupy_strided(*plan.q_out, plan.to, q)
     ko = _cupy_strided(*plan.k_out, plan.to, k)
     if plan.run is not None:
@@ -375,12 +379,12 @@ def _d_stride_one(a: Any, kind: str) -> bool:
     return st is not None and (a.shape[-1] <= 1 or st[-1] == 1)
 
 
-def _contiguous(a: Any, kind: str) -> Any:
-    if kind == "torch":
-        return a.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(a)
+def _copies(q: Any, k: Any, cos: Any, sin: Any, kind: str) -> tuple[bool, bool, bool, bool]:
+    """Which of (q, k, cos, sin) the kernel cannot read as they are: it takes any layout whose
+    head_dim stride is 1, with cos and sin laid out alike."""
+    tables = (not _d_stride_one(cos, kind) or not _d_stride_one(sin, kind)
+              or element_strides(cos, kind) != element_strides(sin, kind))
+    return not _d_stride_one(q, kind), not _d_stride_one(k, kind), tables, tables
 
 
 def _alloc_like(a: Any, kind: str, dtype: str) -> Any:
@@ -412,12 +416,14 @@ def _rotate_first(q: Any, k: Any, cos: Any, sin: Any, ud: int, transpose: bool, 
     if device is None:
         raise ValueError(f"{fn}: the GPU path needs CUDA arrays; got arrays on the CPU")
     cacheable = True
-    if not _d_stride_one(q, kind):
-        q, cacheable = _contiguous(q, kind), False
-    if not _d_stride_one(k, kind):
-        k, cacheable = _contiguous(k, kind), False
-    if not _d_stride_one(cos, kind) or element_strides(cos, kind) != element_strides(sin, kind):
-        cos, sin, cacheable = _contiguous(cos, kind), _contiguous(sin, kind), False
+    mask = _copies(q, k, cos, sin, kind)
+    if any(mask):
+        dense = Densify(mask, kind)
+        q, k, cos, sin = dense.apply((q, k, cos, sin))
+        if not any(_copies(q, k, cos, sin, kind)):  # later calls copy and take the copies' plan
+            _PLANS.put(key, dense)
+            return _rotate_gpu(q, k, cos, sin, ud, transpose, dtype)
+        cacheable = False  # tables of different shapes whose copies' strides still differ: rare
     qo, ko = _alloc_like(q, kind, spec.to), _alloc_like(k, kind, spec.to)
     tokens, H = spec.B * spec.S, spec.Hq + spec.Hk
     run = None
@@ -425,16 +431,16 @@ def _rotate_first(q: Any, k: Any, cos: Any, sin: Any, ud: int, transpose: bool, 
         run = _prepare(spec, transpose, (q, k, cos, sin, qo, ko), device)
         ptrs = tuple(_ptr(t, kind) for t in (q, k, cos, sin, qo, ko))
         run(ptrs, current_stream(device, kind == "torch"))
-    if cacheable:
-        if kind == "torch":
-            global _empty_like
-            import torch
+    if kind == "torch":
+        global _empty_like
+        import torch
 
-            _empty_like = torch.empty_like
-            outs = [None if o.stride() == torch.empty_like(x, dtype=o.dtype).stride() else (tuple(o.shape), o.stride())
-                    for o, x in ((qo, q), (ko, k))]
-        else:
-            outs = [(qo.shape, qo.strides), (ko.shape, ko.strides)]
+        _empty_like = torch.empty_like
+        outs = [None if o.stride() == torch.empty_like(x, dtype=o.dtype).stride() else (tuple(o.shape), o.stride())
+                for o, x in ((qo, q), (ko, k))]
+    else:
+        outs = [(qo.shape, qo.strides), (ko.shape, ko.strides)]
+    if cacheable:
         _PLANS.put(key, _Plan(outs[0], outs[1], qo.dtype, run))
     return qo, ko
 
