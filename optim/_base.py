@@ -332,12 +332,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         news = []
         for plan in self._plans:
             grads = [p.grad for p in plan.params]
-            for p, g in zip(plan.params, grads, strict=True):
-                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device or not g.is_contiguous():
-                    return False  # _build raises the error for it
+            # element count, dtype, device and layout: what the kernels rely on (torch's grad setter
+            # and AccumulateGrad keep each grad's shape equal to its param's)
+            if not plan.table.fits(1, grads):  # type: ignore[union-attr]
+                return False  # _build raises the error for it
             news.append(grads)
         for plan, grads in zip(self._plans, news, strict=True):
-            plan.table.set_list(1, grads)  # type: ignore[union-attr]
+            plan.table.set_list(1, grads, checked=True)  # type: ignore[union-attr]
             plan.grads = grads
         self._norm = None  # the clipping norm's prepared lists hold the old gradients
         return True

@@ -12,6 +12,7 @@ tensor, whatever T is.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,10 @@ MAX_GROUPS = 8  # kMaxGroups
 K_HP = 8  # kHP
 ALIGNED_BIT = 1 << 8
 DEFAULT_CHUNK = 1 << 14  # elements per (tensor, chunk) work item: ~7.6K chunks for GPT-2 small
+# C-level getters mapped over a list: the per-step checks of set_list touch every gradient
+_NUMEL, _IS_CONTIGUOUS = torch.Tensor.numel, torch.Tensor.is_contiguous
+_GET_DEVICE, _DATA_PTR, _DTYPE = torch.Tensor.get_device, torch.Tensor.data_ptr, operator.attrgetter("dtype")
+
 _MAX_BLOCK = 512
 _MIN_BLOCK = 64
 _THREADS_PER_SM = 2048
@@ -74,7 +79,7 @@ class TensorTable:
             raise ValueError(f"tensor tables live on a CUDA device; got tensors on {device}")
         sizes = np.fromiter((t.numel() for t in lists[0]), dtype=np.int64, count=T)
         addr = np.empty((L, T), dtype=np.int64)
-        itemsizes = []
+        itemsizes, dtypes = [], []
         for li, lst in enumerate(lists):
             if len(lst) != T:
                 raise ValueError(f"list {li} has {len(lst)} tensors; list 0 has {T}")
@@ -97,11 +102,12 @@ class TensorTable:
                     )
             addr[li] = np.fromiter((t.data_ptr() for t in lst), dtype=np.int64, count=T)
             itemsizes.append(lst[0].element_size())
+            dtypes.append(lst[0].dtype)
         host, C, aligned = host_layout(addr, sizes, itemsizes, groups, chunk, div)
         self.host = host  # kept for inspection and the tests; the device copy is what kernels read
         self.table = torch.from_numpy(host).to(device)
         self.L, self.T, self.C, self.chunk = L, T, C, chunk
-        self.itemsizes = itemsizes
+        self.itemsizes, self.dtypes = itemsizes, dtypes
         self.divisors = div
         self.numel = int(sizes.sum())
         self.sizes = sizes
@@ -115,22 +121,36 @@ class TensorTable:
         per_sm = _THREADS_PER_SM // self.block
         self.grid = max(1, min(C, sm_count(self.device) * per_sm * 4))
 
-    def set_list(self, li: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Point list `li` at `tensors` (new gradients of the same parameters: same count, element
-        counts, device, itemsize), rewriting its addresses and the alignment flags in place in the
-        device table (one host-to-device copy on the current stream, after the launches that read
-        the old one, from pinned memory: no host sync). The work items and launch shape stay;
-        ValueError if a tensor does not fit."""
-        T, device = self.T, self.table.device
+    def fits(self, li: int, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether `tensors` can take list `li`'s place: as many, each with the element count, dtype
+        and device of the tensor it replaces, contiguous (checked in a few C-level passes: this
+        runs on every step whose backward allocated its gradients anew)."""
+        T = self.T
         if len(tensors) != T:
-            raise ValueError(f"list {li} needs {T} tensors; got {len(tensors)}")
-        for ti, t in enumerate(tensors):
-            if (t.device != device or t.numel() != -(-int(self.sizes[ti]) // self.divisors[li]) or not t.is_contiguous()
-                    or t.element_size() != self.itemsizes[li]):
-                raise ValueError(f"list {li}, tensor {ti} does not fit the table (numel, device, itemsize, layout)")
+            return False
+        want = -(-self.sizes // self.divisors[li])
+        return (
+            np.array_equal(np.fromiter(map(_NUMEL, tensors), dtype=np.int64, count=T), want)
+            and all(map(_IS_CONTIGUOUS, tensors))
+            and set(map(_DTYPE, tensors)) == {self.dtypes[li]}
+            and set(map(_GET_DEVICE, tensors)) == {self.device}
+        )
+
+    def set_list(self, li: int, tensors: Sequence[torch.Tensor], *, checked: bool = False) -> None:
+        """Point list `li` at `tensors` (new gradients of the same parameters: see :meth:`fits`;
+        `checked`: the caller has just asked it), rewriting its addresses and the alignment flags in
+        place in the device table (one host-to-device copy on the current stream, after the launches
+        that read the old one, from pinned memory: no host sync). The work items and launch shape
+        stay; ValueError if the tensors do not fit."""
+        if not checked and not self.fits(li, tensors):
+            raise ValueError(
+                f"list {li}: the tensors do not fit the table ({self.T} contiguous tensors of dtype "
+                f"{self.dtypes[li]} on cuda:{self.device} with the element counts of the tensors they replace)"
+            )
+        T = self.T
         L, host = self.L, self.host
         addr = host[: L * T].reshape(L, T)
-        addr[li] = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=T)
+        addr[li] = np.fromiter(map(_DATA_PTR, tensors), dtype=np.int64, count=T)
         aligned = _aligned(addr, self.itemsizes, self.divisors)
         info = host[(L + 1) * T : (L + 2) * T]
         info[:] = (info & ~np.int64(ALIGNED_BIT)) | np.where(aligned, ALIGNED_BIT, 0)

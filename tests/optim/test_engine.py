@@ -94,3 +94,28 @@ def test_every_declared_kernel_exists_for_every_combo() -> None:
 
     groups = {(j.module, j.group) for j in plan("sm_90", ["adam"], ["bfloat16"])}
     assert ("adam.cu", "bfloat16/lowbit") in groups and ("adam.cu", "float32/lowbit") not in groups
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_set_list_takes_only_tensors_that_fit() -> None:
+    """New gradients must match what they replace in element count, dtype (not just itemsize:
+    float16 bits read as bfloat16 would be silently wrong), device and layout."""
+    ps = [torch.zeros(5, 3, device="cuda", dtype=torch.bfloat16), torch.zeros(7, device="cuda", dtype=torch.bfloat16)]
+    table = eng.TensorTable([ps, [torch.zeros_like(p) for p in ps]], [0, 0])
+    good = [torch.ones_like(p) for p in ps]
+    assert table.fits(1, good)
+    table.set_list(1, good)
+    assert table.host[2:4].tolist() == [g.data_ptr() for g in good]
+    bad = {
+        "count": good[:1],
+        "numel": [good[0], torch.ones(8, device="cuda", dtype=torch.bfloat16)],
+        "dtype": [good[0], torch.ones(7, device="cuda", dtype=torch.float16)],
+        "layout": [torch.ones(3, 5, device="cuda", dtype=torch.bfloat16).t(), good[1]],
+        "device": [good[0], torch.ones(7, dtype=torch.bfloat16)],
+    }
+    for what, tensors in bad.items():
+        assert not table.fits(1, tensors), what
+        with pytest.raises(ValueError, match="do not fit the table"):
+            table.set_list(1, tensors)
+    assert table.host[2:4].tolist() == [g.data_ptr() for g in good]  # untouched by the refusals
