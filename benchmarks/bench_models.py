@@ -44,7 +44,8 @@ the forward under ``torch.autocast(dtype=torch.bfloat16)``, backward and step ou
 optimizer step stays eager), with the same options for both sides, after ``torch._dynamo.reset()``.
 
 Step: forward (loss), ``loss.backward()``, ``opt.step()``, the learning-rate warm-up's
-``sched.step()``, ``opt.zero_grad(set_to_none=True)``.
+``sched.step()``, ``opt.zero_grad(set_to_none=True)``. The backward runs on autograd's device thread (torch's
+default); ``--backward-thread caller`` runs both sides' on the calling thread instead.
 Each step is timed on the host clock between two device synchronisations (a whole step as a
 training loop sees it, host overhead included: the small models are host-bound). The first
 ``--warmup`` steps are not timed; every step is in the loss curve. A host-bound step's time drifts
@@ -177,6 +178,7 @@ class Config:
     patch_off: tuple[str, ...] = ()  # cukit.nn.patch rules switched off on the cukit side (attribution)
     noise_seeds: int = 2  # stock eager runs from perturbed weights per precision (the noise floor)
     repeats: int = 1  # rounds of every case of a setting, the impls' order alternating
+    backward_thread: str = "worker"  # both sides: autograd's device thread (torch's default) or the caller
     dry_run: bool = False
     seed: int = 0
     out: str | None = None
@@ -226,6 +228,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--patch-off", default=None,
                    help="cukit side: comma-separated cukit.nn.patch rules to switch off (e.g. lm_head_loss,rope), "
                         "to attribute a difference to a rule")
+    p.add_argument("--backward-thread", default="worker", choices=("worker", "caller"),
+                   help="where both sides' backward runs: worker (autograd's device thread, torch's default) "
+                        "or caller (torch.autograd.set_multithreading_enabled(False)) (default worker)")
     p.add_argument("--dry-run", action="store_true", help="tiny configs, CPU unless --device (smoke test)")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --dry-run)")
     p.add_argument("--seed", type=int, default=0)
@@ -243,6 +248,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise SystemExit(f"{NAME}: --repeats must be >= 1")
     cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear, noise_seeds=args.noise_seeds,
                  repeats=args.repeats, loss_accumulation=args.loss_accumulation, loss_logits=args.loss_logits,
+                 backward_thread=args.backward_thread,
                  patch_off=_patch_rules(args.patch_off),
                  models=_csv_list(args.models, MODELS, "models"),
                  settings=_csv_list(args.settings, SETTINGS, "settings"))
@@ -274,6 +280,8 @@ def results_name(cfg: Config) -> str:
         parts.append(f"logits-{cfg.loss_logits}")
     if cfg.patch_off:
         parts.append("off-" + "-".join(cfg.patch_off))
+    if cfg.backward_thread != "worker":
+        parts.append(f"backward-{cfg.backward_thread}")
     if cfg.repeats > 1:
         parts.append(f"x{cfg.repeats}")
     return "-".join(parts)
@@ -1038,14 +1046,29 @@ def run(cfg: Config) -> Bench:
     b.meta["loss_accumulation"] = cfg.loss_accumulation
     b.meta["loss_logits"] = cfg.loss_logits
     b.meta["patch_off"] = list(cfg.patch_off)
+    b.meta["backward_thread"] = cfg.backward_thread
     if any(s.startswith("compile") for s in cfg.settings):
         harness.configure_dynamo()
     env = harness.environment()
     print(f"{NAME}: {env.get('gpu') or cfg.device} | torch {torch.__version__} | models {','.join(cfg.models)} | "
-          f"settings {','.join(cfg.settings)} | {cfg.steps} steps | compile {cfg.compile_kwargs()} "
+          f"settings {','.join(cfg.settings)} | {cfg.steps} steps | backward on the {cfg.backward_thread} thread | "
+          f"compile {cfg.compile_kwargs()} "
           f"(cukit policy {cfg.compile_policy}) | "
           f"budget {cfg.budget_s:.0f} s", flush=True)
     saved: list[str] = []
+    # thread-local, so it holds for every step below (and is restored when the run returns)
+    threads = torch.autograd.set_multithreading_enabled(cfg.backward_thread == "worker")
+    with threads:
+        _run_models(b, env, cfg)
+    try:
+        saved = save(b, env, cfg.out, final=True)
+    except Exception as e:
+        b.failures.append(f"saving results: {harness.short_error(e)}")
+    print_summary(b, env, saved)
+    return b
+
+
+def _run_models(b: Bench, env: dict[str, Any], cfg: Config) -> None:
     for name in cfg.models:
         try:
             b.rows.extend(run_model(b, name))
@@ -1054,15 +1077,9 @@ def run(cfg: Config) -> Bench:
             b.fail(row, e)
             b.rows.append(row)
         try:
-            saved = save(b, env, cfg.out, final=False)
+            save(b, env, cfg.out, final=False)
         except Exception as e:
             b.failures.append(f"saving results: {harness.short_error(e)}")
-    try:
-        saved = save(b, env, cfg.out, final=True)
-    except Exception as e:
-        b.failures.append(f"saving results: {harness.short_error(e)}")
-    print_summary(b, env, saved)
-    return b
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,12 @@ training step replayed as one CUDA graph (:func:`cukit.train.capture_step`, one 
 Models this small are host-bound: the eager rows measure Python and launch overhead per op, the
 graphed row what the step costs once the host is out of the loop.
 
+Every variant's backward runs on the calling thread (``torch.autograd.set_multithreading_enabled(False)``;
+``--backward-thread worker`` for autograd's device thread, torch's default). In a host-bound step
+the hand-off to that thread and back costs a Python backward node (a cukit op) far more than a C++
+one, and buys nothing on one device; torch's maintainers are moving single-device backward to the
+calling thread for the same reason.
+
 Usage::
 
     cukit demo                              # or: python -m cukit demo, make demo
@@ -57,6 +63,7 @@ import cukit
 from cukit.ops.bias_act import ACTIVATIONS as _BIAS_ACT_ACTIVATIONS
 
 __all__ = [
+    "BACKWARD_THREADS",
     "CNN_LOSS_TOLERANCE",
     "EXPERIMENTS",
     "LOSS_TOLERANCE",
@@ -88,6 +95,14 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 #: Largest acceptable max |loss_torch - loss_cukit| over a run; the maths is the same, so anything
 #: beyond rounding error (amplified a little by many optimizer steps) is a bug.
 LOSS_TOLERANCE = 1e-3
+
+
+BACKWARD_THREADS = ("caller", "worker")
+BACKWARD_THREAD_NOTE = {
+    "caller": "Every variant's backward ran on the calling thread (torch.autograd.set_multithreading_enabled("
+              "False)); --backward-thread worker runs it on autograd's device thread, torch's default.",
+    "worker": "Every variant's backward ran on autograd's device thread (torch's default).",
+}
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -939,6 +954,14 @@ def _parser() -> argparse.ArgumentParser:
         "--activation", choices=ACTIVATIONS, default="gelu", help="hidden activation (default: gelu)"
     )
     p.add_argument(
+        "--backward-thread",
+        choices=BACKWARD_THREADS,
+        default="caller",
+        help="where every variant's backward runs: caller (the training loop's thread, "
+        "torch.autograd.set_multithreading_enabled(False)) or worker (autograd's device thread, torch's "
+        "default) (default: caller)",
+    )
+    p.add_argument(
         "--quiet", action="store_true", help="print nothing; the exit status says whether the runs agree"
     )
     return p
@@ -975,13 +998,18 @@ def main(argv: list[str] | None = None) -> int:
         log=out,
     )
     results: list[ExperimentResult] = []
-    for name, experiment in EXPERIMENTS.items():
-        out(f"running {name} ...")
-        try:
-            results.append(experiment(opts))
-        except ImportError as e:  # scikit-learn missing
-            print(f"cukit demo: {e}", file=sys.stderr)
-            return 1
+    # Thread-local; the same for every variant. A small model's step is host time, and autograd's
+    # hand-off to its device thread and back costs a Python backward node (cukit's ops, the stock
+    # variant's none) far more than a C++ one: the caller is where torch's own maintainers are moving
+    # single-device backward. --backward-thread worker measures torch's current default.
+    with torch.autograd.set_multithreading_enabled(args.backward_thread == "worker"):
+        for name, experiment in EXPERIMENTS.items():
+            out(f"running {name} ...")
+            try:
+                results.append(experiment(opts))
+            except ImportError as e:  # scikit-learn missing
+                print(f"cukit demo: {e}", file=sys.stderr)
+                return 1
     out("")
     for r in results:
         out(r.title)
@@ -993,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
             out(note)
     out("vs torch: torch's median ms/step divided by this row's (> 1: faster); warm-up steps excluded;")
     out("ms/step is the whole training step, the optimizer's included.")
+    out(BACKWARD_THREAD_NOTE[args.backward_thread])
     if device.type == "cpu":
         out(
             "On the CPU cukit (its ops and cukit.optim) runs its torch reference (no GPU): the fused kernels "

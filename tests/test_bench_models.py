@@ -167,6 +167,9 @@ def test_models_config(models: Any) -> None:
     assert models.results_name(off) == "bench_models-llama-off-lm_head_loss-rope"
     with pytest.raises(SystemExit, match="unknown rule"):
         models.config_from_args(models.parse_args(["--patch-off", "lm_head"]))
+    assert full.backward_thread == "worker"  # torch's default
+    caller = models.config_from_args(models.parse_args(["--models", "mlp", "--backward-thread", "caller"]))
+    assert caller.backward_thread == "caller" and models.results_name(caller) == "bench_models-mlp-backward-caller"
 
 
 def test_patch_off_switches_the_rules_off(models: Any) -> None:

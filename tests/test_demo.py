@@ -144,6 +144,17 @@ def test_main_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "torch.optim.AdamW" in table[0] and "cukit.optim.AdamW" in table[1]
 
 
+def test_main_backward_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    before = torch._C._is_multithreading_enabled()
+    assert demo.main(["--epochs", "1", "--device", "cpu"]) == 0
+    assert demo.BACKWARD_THREAD_NOTE["caller"] in capsys.readouterr().out
+    assert demo.main(["--epochs", "1", "--device", "cpu", "--backward-thread", "worker"]) == 0
+    assert demo.BACKWARD_THREAD_NOTE["worker"] in capsys.readouterr().out
+    assert torch._C._is_multithreading_enabled() == before  # restored for the caller
+    with pytest.raises(SystemExit):
+        demo.main(["--backward-thread", "main"])
+
+
 def test_main_quiet(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(["--epochs", "2", "--device", "cpu", "--quiet"]) == 0
     assert capsys.readouterr().out == ""
