@@ -92,8 +92,10 @@ def _kernel_weights(x: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False) -> int:
-    """Vectors per thread per chunk of a row (the kernels' NV). Forward: 64 bytes of x per thread.
-    Backward, whose weight and bias sums take a register per element: 32 bytes of x for the
+    """Vectors per thread per chunk of a row (the kernels' NV). Forward: 32 bytes of x per thread
+    for the 16-bit types (16 elements: 40 registers, so a multiprocessor holds twice the warps of
+    the 64-byte form's 64 registers, and twice the threads share a row: benchmarks/NOTES.md, "norm
+    forward"), 64 bytes for float32 and float64. Backward, whose weight and bias sums take a register per element: 32 bytes of x for the
     16-bit types (16 elements, loaded a row ahead: see norm_bwd), 64 bytes for float32 and float64,
     one vector beside a float64 weight (`wide_weight`: float64 sums). The scalar path (vec 1)
     holds 8 (forward) or 4 (backward) elements. Sized so that the vector paths do not spill at
@@ -101,7 +103,7 @@ def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False) -> i
     if vec == 1:
         return 4 if backward else 8
     if not backward:
-        return 4
+        return 2 if itemsize == 2 else 4
     if wide_weight:
         return 1
     return 2 if itemsize == 2 else 4
