@@ -25,11 +25,12 @@ training step replayed as one CUDA graph (:func:`cukit.train.capture_step`, one 
 Models this small are host-bound: the eager rows measure Python and launch overhead per op, the
 graphed row what the step costs once the host is out of the loop.
 
-Every variant's backward runs on the calling thread (``torch.autograd.set_multithreading_enabled(False)``;
-``--backward-thread worker`` for autograd's device thread, torch's default). In a host-bound step
-the hand-off to that thread and back costs a Python backward node (a cukit op) far more than a C++
-one, and buys nothing on one device; torch's maintainers are moving single-device backward to the
-calling thread for the same reason.
+Every variant's backward runs where torch runs it by default, on autograd's device thread;
+``--backward-thread caller`` runs it on the calling thread instead
+(``torch.autograd.set_multithreading_enabled(False)``). In a host-bound step the hand-off to the
+device thread and back costs a Python backward node (a cukit op) far more than a C++ one, and buys
+nothing on one device; torch's maintainers are moving single-device backward to the calling thread
+for the same reason.
 
 Usage::
 
@@ -100,8 +101,9 @@ LOSS_TOLERANCE = 1e-3
 BACKWARD_THREADS = ("caller", "worker")
 BACKWARD_THREAD_NOTE = {
     "caller": "Every variant's backward ran on the calling thread (torch.autograd.set_multithreading_enabled("
-              "False)); --backward-thread worker runs it on autograd's device thread, torch's default.",
-    "worker": "Every variant's backward ran on autograd's device thread (torch's default).",
+              "False)).",
+    "worker": "Every variant's backward ran on autograd's device thread (torch's default); --backward-thread "
+              "caller runs it on the calling thread.",
 }
 
 
@@ -956,10 +958,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backward-thread",
         choices=BACKWARD_THREADS,
-        default="caller",
-        help="where every variant's backward runs: caller (the training loop's thread, "
-        "torch.autograd.set_multithreading_enabled(False)) or worker (autograd's device thread, torch's "
-        "default) (default: caller)",
+        default="worker",
+        help="where every variant's backward runs: worker (autograd's device thread, torch's default) or "
+        "caller (the training loop's thread, torch.autograd.set_multithreading_enabled(False)) "
+        "(default: worker)",
     )
     p.add_argument(
         "--quiet", action="store_true", help="print nothing; the exit status says whether the runs agree"
@@ -999,9 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[ExperimentResult] = []
     # Thread-local; the same for every variant. A small model's step is host time, and autograd's
-    # hand-off to its device thread and back costs a Python backward node (cukit's ops, the stock
-    # variant's none) far more than a C++ one: the caller is where torch's own maintainers are moving
-    # single-device backward. --backward-thread worker measures torch's current default.
+    # hand-off to its device thread and back costs a Python backward node (cukit's ops) far more than
+    # a C++ one (the stock variant's): --backward-thread caller shows a step without it.
     with torch.autograd.set_multithreading_enabled(args.backward_thread == "worker"):
         for name, experiment in EXPERIMENTS.items():
             out(f"running {name} ...")

@@ -147,9 +147,9 @@ def test_main_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_main_backward_thread(capsys: pytest.CaptureFixture[str]) -> None:
     before = torch._C._is_multithreading_enabled()
     assert demo.main(["--epochs", "1", "--device", "cpu"]) == 0
+    assert demo.BACKWARD_THREAD_NOTE["worker"] in capsys.readouterr().out  # torch's default
+    assert demo.main(["--epochs", "1", "--device", "cpu", "--backward-thread", "caller"]) == 0
     assert demo.BACKWARD_THREAD_NOTE["caller"] in capsys.readouterr().out
-    assert demo.main(["--epochs", "1", "--device", "cpu", "--backward-thread", "worker"]) == 0
-    assert demo.BACKWARD_THREAD_NOTE["worker"] in capsys.readouterr().out
     assert torch._C._is_multithreading_enabled() == before  # restored for the caller
     with pytest.raises(SystemExit):
         demo.main(["--backward-thread", "main"])
