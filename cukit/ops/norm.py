@@ -91,11 +91,12 @@ def _kernel_weights(x: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False) -> int:
+def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False, layer: bool = False) -> int:
     """Vectors per thread per chunk of a row (the kernels' NV). Forward: 32 bytes of x per thread
-    for the 16-bit types (16 elements: 40 registers, so a multiprocessor holds twice the warps of
-    the 64-byte form's 64 registers, and twice the threads share a row: benchmarks/NOTES.md, "norm
-    forward"), 64 bytes for float32 and float64. Backward, whose weight and bias sums take a register per element: 32 bytes of x for the
+    for RMSNorm of the 16-bit types (16 elements: 40 registers, so a multiprocessor holds twice the
+    warps of the 64-byte form's 64 registers, and twice the threads share a row), 64 bytes for
+    LayerNorm (`layer`: two row reductions, each slower with twice the threads per row) and for
+    float32 and float64 (benchmarks/NOTES.md, "norm forward"). Backward, whose weight and bias sums take a register per element: 32 bytes of x for the
     16-bit types (16 elements, loaded a row ahead: see norm_bwd), 64 bytes for float32 and float64,
     one vector beside a float64 weight (`wide_weight`: float64 sums). The scalar path (vec 1)
     holds 8 (forward) or 4 (backward) elements. Sized so that the vector paths do not spill at
@@ -103,7 +104,7 @@ def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False) -> i
     if vec == 1:
         return 4 if backward else 8
     if not backward:
-        return 2 if itemsize == 2 else 4
+        return 2 if itemsize == 2 and not layer else 4
     if wide_weight:
         return 1
     return 2 if itemsize == 2 else 4
@@ -119,7 +120,8 @@ def _instantiations() -> dict[str, list[str]]:
             wt = DTYPES[wname].ctype
             for mode in modes:
                 for vec in (16 // dt.itemsize, 1):  # the 16-byte vector path and the scalar path
-                    fwd.append(f"norm_fwd<{dt.ctype}, {wt}, {mode}, {vec}, {_nv(False, vec, dt.itemsize)}>")
+                    nvf = _nv(False, vec, dt.itemsize, layer=mode == LAYER)
+                    fwd.append(f"norm_fwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvf}>")
                     nvb = _nv(True, vec, dt.itemsize, wname == "float64" != name)
                     bwd.append(f"norm_bwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvb}>")
         groups[f"{name}/fwd"] = fwd
@@ -685,7 +687,7 @@ def _forward_first(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset
     T, W, out = DTYPES[c.x], DTYPES[wk], DTYPES[c.out]
     ptrs = tuple(_ptr(a, kind) for a in (x, weight, bias, y, mean, rstd))
     vec = _vec(c.x, H, [(ptrs[0], T.itemsize), (ptrs[1], W.itemsize), (ptrs[2], W.itemsize), (ptrs[3], out.itemsize)])
-    nv = _nv(False, vec, T.itemsize)
+    nv = _nv(False, vec, T.itemsize, layer=mode == LAYER)
     tpr, rpb = _threads(H, vec, nv)
     grid = -(-rows // rpb)
     if grid > _GRID_MAX:
