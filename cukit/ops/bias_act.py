@@ -331,8 +331,9 @@ def _vec(dt: DType, C: int, ptrs: list[int]) -> int:
     return 1
 
 
-# Signatures -> plans. A plan exists for calls whose arrays are used as they are (contiguous): the
-# pointers are then the only per-call inputs. Fresh outputs are always 16-byte aligned.
+# Signatures -> plans. A plan launches on contiguous arrays, whose pointers are then the only
+# per-call inputs; a signature with non-contiguous arrays maps to a Densify entry (copy, then the
+# contiguous signature's plan). Fresh outputs are always 16-byte aligned.
 _FWD_PLANS = PlanCache("bias_act_fwd", maxsize=1024)
 _BWD_PLANS = PlanCache("bias_act_bwd", maxsize=1024)
 

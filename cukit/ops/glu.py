@@ -276,8 +276,9 @@ def _backward_arrays(grad: Any, gate: Any, up: Any, activation: str, fn: str) ->
 # GPU path (CuPy arrays and torch CUDA tensors)
 # ---------------------------------------------------------------------------------------------
 
-# Signatures -> plans, for calls whose arrays are used as they are (contiguous): the pointers are
-# then the only per-call inputs. Fresh outputs are 16-byte aligned.
+# Signatures -> plans. A plan launches on contiguous arrays, whose pointers are then the only
+# per-call inputs; a signature with non-contiguous arrays maps to a Densify entry (copy, then the
+# contiguous signature's plan). Fresh outputs are always 16-byte aligned.
 _FWD_PLANS = PlanCache("glu_fwd", maxsize=1024)
 _BWD_PLANS = PlanCache("glu_bwd", maxsize=1024)
 _ACT_NAMES = {ACTIVATIONS[a]: a for a in GLU_ACTIVATIONS}

@@ -96,11 +96,11 @@ def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False, laye
     for RMSNorm of the 16-bit types (16 elements: 40 registers, so a multiprocessor holds twice the
     warps of the 64-byte form's 64 registers, and twice the threads share a row), 64 bytes for
     LayerNorm (`layer`: two row reductions, each slower with twice the threads per row) and for
-    float32 and float64 (benchmarks/NOTES.md, "norm forward"). Backward, whose weight and bias sums take a register per element: 32 bytes of x for the
-    16-bit types (16 elements, loaded a row ahead: see norm_bwd), 64 bytes for float32 and float64,
-    one vector beside a float64 weight (`wide_weight`: float64 sums). The scalar path (vec 1)
-    holds 8 (forward) or 4 (backward) elements. Sized so that the vector paths do not spill at
-    128 registers (ptxas -v, sm_90)."""
+    float32 and float64 (benchmarks/NOTES.md, "norm forward"). Backward, whose weight and bias
+    sums take a register per element: 32 bytes of x for the 16-bit types (16 elements, loaded a row
+    ahead: see norm_bwd), 64 bytes for float32 and float64, one vector beside a float64 weight
+    (`wide_weight`: float64 sums). The scalar path (vec 1) holds 8 (forward) or 4 (backward)
+    elements. Sized so that the vector paths do not spill at 128 registers (ptxas -v, sm_90)."""
     if vec == 1:
         return 4 if backward else 8
     if not backward:
@@ -569,8 +569,9 @@ def _resident_blocks(fn: Any, threads: int, smem: int, device: int) -> int:
     return max(1, min(max_threads // threads, regs_sm // (regs_per_warp * warps), smem_sm // smem_block, 32))
 
 
-# Signatures -> plans. A plan exists for calls whose arrays are used as they are (contiguous): the
-# pointers are then the only per-call inputs. Fresh outputs are always 16-byte aligned.
+# Signatures -> plans. A plan launches on contiguous arrays, whose pointers are then the only
+# per-call inputs; a signature with non-contiguous arrays maps to a Densify entry (copy, then the
+# contiguous signature's plan). Fresh outputs are always 16-byte aligned.
 _FWD_PLANS = PlanCache("norm_fwd", maxsize=1024)
 _BWD_PLANS = PlanCache("norm_bwd", maxsize=1024)
 
