@@ -302,8 +302,20 @@ def flush_l2_cache(device: int | None = None) -> None:
 
 
 # Cycles to spin the GPU before each timed region (about 0.1 ms at 1.5-2 GHz): the host gets ahead
-# of the device, so launch latency of the timed call is hidden and events measure device time.
+# of the device, so launch latency of the timed call is hidden and events measure device time. A
+# call whose host time is longer (an autograd backward, a Python-launched Triton kernel on a slow
+# host) gets a spin of 1.5x its last warm-up call's host time at _LEAD_HZ (above any SM clock, so
+# the spin lasts at least that long), at most _HOST_LEAD_MAX_CYCLES.
 _HOST_LEAD_CYCLES = 200_000
+_HOST_LEAD_MAX_CYCLES = 40_000_000
+_LEAD_HZ = 2.0e9
+
+
+def _lead_cycles(host_s: float | None) -> int:
+    """GPU spin cycles before a timed call whose host time is `host_s` (None: not measured)."""
+    if host_s is None:
+        return _HOST_LEAD_CYCLES
+    return int(min(_HOST_LEAD_MAX_CYCLES, max(_HOST_LEAD_CYCLES, 1.5 * host_s * _LEAD_HZ)))
 
 
 def time_cuda(
@@ -318,9 +330,10 @@ def time_cuda(
 ) -> Timing:
     """Time `fn` on the device: median (and min/p20/p80) over `repeats`, after `warmup` calls.
 
-    Each repeat is ``state = setup()`` (if given; untimed), L2 flush (if asked; untimed), a short GPU
-    spin so the host runs ahead (untimed), then ``fn(state)`` (``fn()`` without setup) between two
-    CUDA events recorded on torch's current stream. The events of all repeats are read after a
+    Each repeat is ``state = setup()`` (if given; untimed), L2 flush (if asked; untimed), a GPU spin
+    so the host runs ahead (untimed; longer than the last warm-up call's host time, so a call whose
+    launches take long on the host is still timed on the device alone), then ``fn(state)``
+    (``fn()`` without setup) between two CUDA events recorded on torch's current stream. The events of all repeats are read after a
     single synchronisation at the end, so the loop never stalls the device between repeats.
 
     ``setup`` is how to time only part of a pipeline, e.g. build a fresh autograd graph in setup and
@@ -336,8 +349,13 @@ def time_cuda(
     def call(state: Any) -> Any:
         return fn(state) if setup is not None else fn()
 
+    host_s = None
     for _ in range(warmup):
-        call(setup() if setup is not None else None)
+        state = setup() if setup is not None else None
+        t0 = time.perf_counter()
+        call(state)
+        host_s = time.perf_counter() - t0
+        del state
     if not use_cuda:
         times: list[float] = []
         for _ in range(repeats):
@@ -354,12 +372,13 @@ def time_cuda(
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     sleep = getattr(torch.cuda, "_sleep", None) if host_lead else None
+    cycles = _lead_cycles(host_s)
     for i in range(repeats):
         state = setup() if setup is not None else None
         if flush_l2:
             flush_l2_cache()
         if sleep is not None:
-            sleep(_HOST_LEAD_CYCLES)
+            sleep(cycles)
         starts[i].record()
         call(state)
         ends[i].record()

@@ -119,6 +119,24 @@ def test_time_cuda_event_path_with_fake_cuda(harness: Any, monkeypatch: pytest.M
     assert all(v >= 0 for v in t.times_ms)
 
 
+def test_time_cuda_spin_outlasts_the_calls_host_time(harness: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spin before each timed call lasts longer than the call's host time (measured on the last
+    warm-up call), so a slow-to-launch call is still timed on the device; bounded both ways."""
+    spins: list[int] = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: spins.append(cycles), raising=False)
+    harness.time_cuda(lambda: time.sleep(0.004), warmup=2, repeats=2, flush_l2=False, cuda=True)
+    assert len(spins) == 2 and spins[0] >= 1.5 * 0.004 * harness._LEAD_HZ
+    spins.clear()
+    harness.time_cuda(lambda: None, warmup=1, repeats=1, flush_l2=False, cuda=True)
+    assert spins == [harness._HOST_LEAD_CYCLES]  # a quick call keeps the short spin
+    spins.clear()
+    harness.time_cuda(lambda: None, warmup=0, repeats=1, flush_l2=False, cuda=True)
+    assert spins == [harness._HOST_LEAD_CYCLES]  # no warm-up: nothing measured
+    assert harness._lead_cycles(10.0) == harness._HOST_LEAD_MAX_CYCLES
+
+
 def test_host_cost_and_copy_bandwidth_on_cpu(harness: Any) -> None:
     n = {"calls": 0}
 
