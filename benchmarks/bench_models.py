@@ -1057,8 +1057,7 @@ def run(cfg: Config) -> Bench:
           f"budget {cfg.budget_s:.0f} s", flush=True)
     saved: list[str] = []
     # thread-local, so it holds for every step below (and is restored when the run returns)
-    threads = torch.autograd.set_multithreading_enabled(cfg.backward_thread == "worker")
-    with threads:
+    with torch.autograd.set_multithreading_enabled(cfg.backward_thread == "worker"):
         _run_models(b, env, cfg)
     try:
         saved = save(b, env, cfg.out, final=True)

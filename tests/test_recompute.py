@@ -271,3 +271,8 @@ def test_min_bytes_keeps_small_outputs_stored(monkeypatch):
     with pytest.raises(ValueError, match=r"cukit.nn.recomputing: min_bytes must be None or an int >= 0; got -1"), \
             cukit.nn.recomputing(-1):
         pass
+    # a bad value is an error even where the scope would stand aside (no grad mode, nested)
+    with torch.no_grad(), pytest.raises(ValueError, match="min_bytes"), cukit.nn.recomputing(1.5):  # type: ignore[arg-type]
+        pass
+    with cukit.nn.recomputing(), pytest.raises(ValueError, match="min_bytes"), cukit.nn.recomputing(True):
+        pass

@@ -179,13 +179,13 @@ def recomputing(min_bytes: int | None = None) -> Iterator[None]:
     See also: ``torch.autograd.graph.saved_tensors_hooks``, ``torch.utils.checkpoint``,
     ``cukit.nn.checkpoint`` (recomputes whole regions).
     """
-    if _stands_aside():
-        yield
-        return
     if min_bytes is None:
         min_bytes = MIN_BYTES
     elif not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
         raise ValueError(f"cukit.nn.recomputing: min_bytes must be None or an int >= 0; got {min_bytes!r}")
+    if _stands_aside():
+        yield
+        return
     _STATE.depth += 1
     _STATE.min_bytes = min_bytes
     try:
