@@ -598,9 +598,7 @@ class Launch:
 
     def _launch(self, head: tuple[Any, ...], stream: Any) -> None:
         if self._cufn is None:
-            if "b128" in self.head_kinds:
-                head = tuple(_bytes_to_arg(v) for v in head)
-            self.fn(self.grid, self.block, head + self.tail, shared_mem=self.smem, stream=stream)
+            self.fn(self.grid, self.block, self._cupy_head(head) + self.tail, shared_mem=self.smem, stream=stream)
             return
         rc = self._driver_launch(head, stream)
         if rc:
@@ -616,8 +614,14 @@ class Launch:
             cupy.cuda.runtime.setDevice(self.device)
             rc = self._driver_launch(head, stream)
         if rc:
-            args = tuple(_bytes_to_arg(v) for v in head) + self.tail
-            self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream)
+            self.fn(self.grid, self.block, self._cupy_head(head) + self.tail, shared_mem=self.smem, stream=stream)
+
+    def _cupy_head(self, head: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The leading arguments as CuPy's launch takes them: scalars as NumPy scalars of their
+        declared width (CuPy would send a Python int or float at 8 bytes), 128 raw bytes as a
+        one-element NumPy struct, pointers as they are."""
+        return tuple(_bytes_to_arg(v) if k == "b128" else v if k == "ptr" else _SCALAR_TYPES[k](v)
+                     for k, v in zip(self.head_kinds, head, strict=True))
 
     def _driver_launch(self, head: tuple[Any, ...], stream: Any) -> int:
         """Pack the leading arguments and call cuLaunchKernel; its CUresult."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cukit._device import sm_count
-from cukit._runtime import KernelModule
+from cukit._runtime import KernelModule, Launch
 from cukit.interop import current_stream
 
 __all__ = ["K_HP", "K_VEC", "MAX_GROUPS", "TensorTable", "launch_count", "launch_update", "no_lr"]
@@ -114,6 +114,7 @@ class TensorTable:
         self.aligned = aligned
         self.device = device.index if device.index is not None else torch.cuda.current_device()
         self.nbytes_per_elem = sum(lst[0].element_size() / d for lst, d in zip(lists, div, strict=True))
+        self.launches: dict[str, Launch | None] = {}  # kernel name -> its prepared launch over this table
         vectors_per_chunk = self.numel / max(C, 1) / K_VEC
         self.block = int(
             min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(vectors_per_chunk, 1))))))
@@ -157,10 +158,12 @@ class TensorTable:
         self.aligned = aligned
         # A copy from pageable memory would wait for the stream to drain (a host sync on every step
         # whose backward allocated its gradients anew). torch's pinned allocator keeps the staging
-        # block until the copy has run, so the next call never overwrites it early.
-        staging = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
-        staging.numpy()[...] = host
-        self.table.copy_(staging, non_blocking=True)
+        # block until the copy has run, so the next call never overwrites it early. Only the span
+        # from this list's addresses to the info row changes: the work list stays.
+        lo, hi = li * T, (L + 2) * T
+        staging = torch.empty(hi - lo, dtype=torch.int64, pin_memory=True)
+        staging.numpy()[...] = host[lo:hi]
+        self.table[lo:hi].copy_(staging, non_blocking=True)
 
     def tensor_of_chunk(self, c: int) -> tuple[int, int]:
         """(tensor, first element) of work item `c` (host-side decoding, for tests)."""
@@ -231,27 +234,34 @@ def launch_update(
     the kernel rounds all of them to its accumulation type."""
     if table.C == 0:
         return
-    module.launch(
-        name,
-        (table.grid,),
-        (table.block,),
-        (
-            table.table,
-            table.T,
-            table.C,
-            table.chunk,
-            hp,
-            groups,
-            *lrs,
-            lr_dev,
-            grad_div,
-            grad_mul,
-            skip,
-            *extra,
-        ),
-        device=table.device,
-        stream=current_stream(table.device, True),
-    )
+    args = (table.table, table.T, table.C, table.chunk, hp, groups, *lrs, lr_dev, grad_div, grad_mul, skip, *extra)
+    stream = current_stream(table.device, True)
+    try:
+        run = table.launches[name]
+    except KeyError:
+        run = table.launches[name] = _prepared(module, name, (table.grid,), (table.block,), table.device)
+    if run is None:
+        module.launch(name, (table.grid,), (table.block,), args, device=table.device, stream=stream)
+    else:
+        run(_head(args), stream)
+
+
+# (module, kernel, device, grid) -> the step counter's prepared launch; a handful per process
+_COUNT_LAUNCHES: dict[tuple[int, str, int, int], tuple[KernelModule, Launch | None]] = {}
+
+
+def _prepared(module: KernelModule, name: str, grid: tuple[int, ...], block: tuple[int, ...],
+              device: int) -> Launch | None:
+    """A launch of `name` with every argument given per call (an optimizer's launches recur each
+    step with new scalars: one struct pack and the driver call instead of a generic launch's
+    conversions). None where the driver cannot be called directly: the generic launch then."""
+    run = module.prepare(name, grid, block, (), device=device)
+    return run if run._fixed is not None else None
+
+
+def _head(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Launch arguments as a prepared launch takes them: tensors as their addresses, None as 0."""
+    return tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def launch_count(module: KernelModule, steps: torch.Tensor, skip: torch.Tensor | None) -> None:
@@ -260,14 +270,18 @@ def launch_count(module: KernelModule, steps: torch.Tensor, skip: torch.Tensor |
     if n == 0:
         return
     device = steps.get_device()
-    module.launch(
-        "cukit::mt::mt_count_step<0>",
-        (max(1, min(-(-n // 256), 1024)),),
-        (256,),
-        (steps, n, skip),
-        device=device,
-        stream=current_stream(device, True),
-    )
+    name, grid = "cukit::mt::mt_count_step<0>", max(1, min(-(-n // 256), 1024))
+    stream = current_stream(device, True)
+    key = (id(module), name, device, grid)
+    entry = _COUNT_LAUNCHES.get(key)
+    if entry is None or entry[0] is not module:
+        if len(_COUNT_LAUNCHES) >= 64:
+            _COUNT_LAUNCHES.clear()
+        entry = _COUNT_LAUNCHES[key] = (module, _prepared(module, name, (grid,), (256,), device))
+    if entry[1] is None:
+        module.launch(name, (grid,), (256,), (steps, n, skip), device=device, stream=stream)
+    else:
+        entry[1](_head((steps, n, skip)), stream)
 
 
 def hp_tensor(values: Sequence[float], device: torch.device | int) -> torch.Tensor:

@@ -105,8 +105,15 @@ def test_set_list_takes_only_tensors_that_fit() -> None:
     table = eng.TensorTable([ps, [torch.zeros_like(p) for p in ps]], [0, 0])
     good = [torch.ones_like(p) for p in ps]
     assert table.fits(1, good)
+    misaligned = torch.ones(8, device="cuda", dtype=torch.bfloat16)[1:]  # 7 elements, 2-byte aligned
+    table.set_list(1, [good[0], misaligned])
+    torch.cuda.synchronize()
+    assert table.table.cpu().tolist() == table.host.tolist()  # the copied span and the untouched rest
+    assert int(table.host[(2 + 1) * 2 + 1]) & eng.ALIGNED_BIT == 0  # tensor 1 lost its aligned flag
     table.set_list(1, good)
+    torch.cuda.synchronize()
     assert table.host[2:4].tolist() == [g.data_ptr() for g in good]
+    assert table.table.cpu().tolist() == table.host.tolist()
     bad = {
         "count": good[:1],
         "numel": [good[0], torch.ones(8, device="cuda", dtype=torch.bfloat16)],
@@ -119,3 +126,34 @@ def test_set_list_takes_only_tensors_that_fit() -> None:
         with pytest.raises(ValueError, match="do not fit the table"):
             table.set_list(1, tensors)
     assert table.host[2:4].tolist() == [g.data_ptr() for g in good]  # untouched by the refusals
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_optimizers_launches_are_prepared_once_per_table() -> None:
+    """The update and step-count launches are built on the first step and reused (a step costs a
+    struct pack per launch), also when the gradients move; the result stays the reference's."""
+    import cukit.optim
+
+    torch.manual_seed(0)
+    ps = [torch.randn(n, device="cuda", requires_grad=True) for n in (1000, 33, 4096)]
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    opt = cukit.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    built = []
+    for _ in range(4):
+        for p, r in zip(ps, ref, strict=True):
+            g = torch.randn_like(p)
+            p.grad, r.grad = g.clone(), g.clone()  # new addresses every step: the table is repointed
+        opt.step()
+        ref_opt.step()
+        (plan,) = opt._plans
+        built.append({k: id(v) for k, v in plan.table.launches.items()})
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+        for group in ref_opt.param_groups:
+            group["lr"] *= 0.5
+    assert built[0] and all(b == built[0] for b in built), built
+    assert all(v is not None for v in plan.table.launches.values())
+    for p, r in zip(ps, ref, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
