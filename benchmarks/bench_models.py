@@ -49,10 +49,16 @@ default); ``--backward-thread caller`` runs both sides' on the calling thread in
 Each step is timed on the host clock between two device synchronisations (a whole step as a
 training loop sees it, host overhead included: the small models are host-bound). The first
 ``--warmup`` steps are not timed; every step is in the loss curve. A host-bound step's time drifts
-with the machine's load over seconds, so ``--repeats R`` trains every case of a setting R times,
-the impls' order reversed every other round (torch, cukit, cukit, torch, ...): ``ms`` is then the
-median of the rounds' medians and ``speedup`` the median of the rounds' paired ratios
-(``ms_rounds`` and ``speedup_rounds`` keep them); the loss curve and memory are the first round's.
+with the machine's load over seconds, so the impls of a setting are trained side by side: each is
+built and warmed up in turn, then their timed steps alternate in blocks of ``--interleave`` steps
+(default 5), the order reversed every other block, and a drift lands on every impl alike. Each
+model still sees its own batches in order (its loss curve is the one it would have alone);
+``--interleave 0`` trains the cases one after another, and a model whose impl needs global patches
+around its whole case (Liger's, in ``llama8``) always does. ``--repeats R`` trains every case of a
+setting R times, the impls' order reversed every other round (torch, cukit, cukit, torch, ...):
+``ms`` is then the median of the rounds' medians and ``speedup`` the median of the rounds' paired
+ratios (``ms_rounds`` and ``speedup_rounds`` keep them); the loss curve and memory are the first
+round's.
 
 Columns (``<out>/<name>.json`` / ``.csv``; ``<name>`` is ``bench_models``, or with the models and
 settings appended when a subset runs, so split runs do not overwrite each other):
@@ -66,7 +72,7 @@ settings appended when a subset runs, so split runs do not overwrite each other)
 | ``tokens_per_s``, ``samples_per_s`` | per step / ``ms`` |
 | ``first_step_s`` | wall time of step 1: torch.compile and cukit's NVRTC compiles land here, not in ``ms`` |
 | ``state_mib`` | memory the case holds between steps after warm-up (parameters + optimizer state) |
-| ``peak_mib`` | ``torch.cuda.max_memory_allocated`` over the timed steps minus the allocation at their start (activations, gradients, workspaces: what a step needs above the state) |
+| ``peak_mib`` | ``torch.cuda.max_memory_allocated`` over a block of timed steps minus the allocation at the block's start, the largest over the case's blocks (activations, gradients, workspaces: what a step needs above the state; impls trained side by side do not count each other's) |
 | ``speedup`` | torch ``ms`` / this ``ms``, same setting, same run (> 1: faster than stock); with ``--repeats``, the median of the rounds' ratios |
 | ``loss_rel_diff`` | max over steps of abs(loss - loss_torch) / abs(loss_torch), same setting |
 | ``noise_floor`` | the largest of the same for torch eager against torch compiled, and for torch eager against ``--noise-seeds`` stock eager runs from weights moved by one rounding unit (``noise_samples``: all of them): how far two correct implementations drift apart (they round differently); on every row of that precision |
@@ -113,6 +119,7 @@ import math
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -178,6 +185,7 @@ class Config:
     patch_off: tuple[str, ...] = ()  # cukit.nn.patch rules switched off on the cukit side (attribution)
     noise_seeds: int = 2  # stock eager runs from perturbed weights per precision (the noise floor)
     repeats: int = 1  # rounds of every case of a setting, the impls' order alternating
+    interleave: int = 5  # a setting's impls trained side by side, timed steps alternating in blocks of this many (0: one after another)
     backward_thread: str = "worker"  # both sides: autograd's device thread (torch's default) or the caller
     dry_run: bool = False
     seed: int = 0
@@ -237,6 +245,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every case of a setting, the impls' order reversed every other round; "
                         "ms and speedup become medians over the rounds (default 1)")
+    p.add_argument("--interleave", type=int, default=5,
+                   help="train a setting's impls side by side, their timed steps alternating in blocks of "
+                        "this many steps, so drift in the host's speed lands on all alike (default 5; 0: one "
+                        "case after another, each alone on the device)")
     p.add_argument("--noise-seeds", type=int, default=2,
                    help="stock eager runs from weights perturbed by one rounding unit, per precision: "
                         "samples of the noise floor beside eager-vs-compiled (default 2; 0: none)")
@@ -246,8 +258,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> Config:
     if args.repeats < 1:
         raise SystemExit(f"{NAME}: --repeats must be >= 1")
+    if args.interleave < 0:
+        raise SystemExit(f"{NAME}: --interleave must be >= 0 (0: cases one after another)")
     cfg = Config(out=args.out, seed=args.seed, patch_linear=args.patch_linear, noise_seeds=args.noise_seeds,
-                 repeats=args.repeats, loss_accumulation=args.loss_accumulation, loss_logits=args.loss_logits,
+                 repeats=args.repeats, interleave=args.interleave, loss_accumulation=args.loss_accumulation, loss_logits=args.loss_logits,
                  backward_thread=args.backward_thread,
                  patch_off=_patch_rules(args.patch_off),
                  models=_csv_list(args.models, MODELS, "models"),
@@ -282,6 +296,8 @@ def results_name(cfg: Config) -> str:
         parts.append("off-" + "-".join(cfg.patch_off))
     if cfg.backward_thread != "worker":
         parts.append(f"backward-{cfg.backward_thread}")
+    if cfg.interleave == 0:
+        parts.append("alone")
     if cfg.repeats > 1:
         parts.append(f"x{cfg.repeats}")
     return "-".join(parts)
@@ -669,9 +685,42 @@ def perturb_(model: Any, seed: int) -> None:
                 p.mul_(torch.where(up, 1.0 + 2.0**-9, 1.0 - 2.0**-9).to(p.dtype))
 
 
-def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any],
-               perturb: int | None = None) -> None:
-    """Train one (model, setting, impl) for ``cfg.steps`` steps; fill `row` with its numbers.
+@dataclass
+class _Case:
+    """One (model, setting, impl) being trained: what :func:`run_steps` advances and
+    :func:`finish_case` reports into `row`."""
+
+    impl: str
+    mode: str
+    row: dict[str, Any]
+    fn: Any  # the (compiled) loss module
+    opt: Any
+    sched: Any
+    batches: list[tuple[Any, ...]]
+    losses: Any  # device tensor, one loss per step
+    autocast: Callable[[], Any]
+    held: tuple[Any, ...]  # the model and loss module, dropped by finish_case
+    mem0: int
+    times_ms: list[float] = field(default_factory=list)
+    done: int = 0  # steps run so far
+    base_mem: int = 0  # allocated when the first timed step starts (state, no gradients)
+    peak: int = 0  # the most any timed block allocated above its start
+
+
+def _own_forward(module: Any) -> Any:
+    """`module` with a forward of its own code object: dynamo keeps its compiled graphs per code
+    object, so cases trained side by side (interleaved) each find their own graph first instead of
+    failing the others' guards on every call."""
+    cls = type(module)
+    f = cls.forward
+    fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    module.__class__ = type(cls.__name__, (cls,), {"forward": fresh, "__module__": cls.__module__})
+    return module
+
+
+def start_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any],
+               perturb: int | None = None) -> _Case:
+    """Build one case (model, loss module, optimizer, schedule, compile): nothing run yet.
     `perturb`: start from weights moved by one rounding unit (:func:`perturb_`, this seed)."""
     torch = _torch()
     cfg = b.cfg
@@ -700,26 +749,39 @@ def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str,
         import cukit.torch
 
         cukit.torch.set_compile_policy(cfg.compile_policy)
-        torch._dynamo.reset()  # no guards, caches or recompile counts carried over from the last case
-        fn = torch.compile(loss_module, **cfg.compile_kwargs())
-    batches = work.batches_for(precision)
-    losses = torch.empty(cfg.steps, dtype=torch.float32, device=cfg.device)
+        fn = torch.compile(_own_forward(loss_module), **cfg.compile_kwargs())
 
     def autocast() -> Any:
         if precision == "amp":
             return torch.autocast(device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    times_ms: list[float] = []
-    base_mem = 0
-    for i in range(cfg.steps):
-        if i == cfg.warmup and b.cuda:  # state settled: params, optimizer state; grads are None
-            torch.cuda.synchronize()
-            base_mem = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+    losses = torch.empty(cfg.steps, dtype=torch.float32, device=cfg.device)
+    return _Case(impl, mode, row, fn, opt, sched, work.batches_for(precision), losses, autocast,
+                 (model, loss_module), mem0)
+
+
+def run_steps(b: Bench, case: _Case, n: int) -> None:
+    """The case's next `n` training steps, each timed between two device synchronisations. Its
+    timed steps (after ``cfg.warmup``) run in blocks: the peak allocation of a block is measured
+    from the block's own start, so cases trained side by side do not count each other's memory."""
+    torch = _torch()
+    cfg = b.cfg
+    fn, opt, sched, batches, losses = case.fn, case.opt, case.sched, case.batches, case.losses
+    block_base = None
+    for i in range(case.done, case.done + n):
+        if i >= cfg.warmup and block_base is None:
+            _sync(b.cuda)
+            if b.cuda:  # state settled: params, optimizer state; grads are None
+                block_base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                if i == cfg.warmup:
+                    case.base_mem = block_base
+            else:
+                block_base = 0
         _sync(b.cuda)
         t0 = time.perf_counter()
-        with autocast():
+        with case.autocast():
             loss = fn(*batches[i])
         loss.backward()
         opt.step()
@@ -727,26 +789,102 @@ def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str,
         opt.zero_grad(set_to_none=True)
         losses[i] = loss.detach()
         _sync(b.cuda)
-        times_ms.append((time.perf_counter() - t0) * 1e3)
+        case.times_ms.append((time.perf_counter() - t0) * 1e3)
         del loss
-    timed = sorted(times_ms[cfg.warmup:])
-    curve = [float(v) for v in losses.tolist()]
+    case.done += n
+    if block_base is not None and b.cuda:
+        case.peak = max(case.peak, torch.cuda.max_memory_allocated() - block_base)
+
+
+def finish_case(b: Bench, case: _Case) -> None:
+    """Fill the case's row with its numbers (all ``cfg.steps`` steps run) and drop its model."""
+    cfg = b.cfg
+    timed = sorted(case.times_ms[cfg.warmup:])
+    curve = [float(v) for v in case.losses.tolist()]
     ms = statistics.median(timed)
-    row.update(
+    work_batch, tokens = case.row.get("batch"), case.row.get("tokens_per_step")
+    case.row.update(
         ms=ms, ms_p20=harness.quantile(timed, 0.2), ms_p80=harness.quantile(timed, 0.8), ms_min=timed[0],
-        timed_steps=len(timed), first_step_s=times_ms[0] / 1e3,
-        samples_per_s=work.batch * 1e3 / ms,
-        tokens_per_s=work.tokens_per_step * 1e3 / ms if work.tokens_per_step else None,
+        timed_steps=len(timed), first_step_s=case.times_ms[0] / 1e3,
+        samples_per_s=work_batch * 1e3 / ms if work_batch else None,
+        tokens_per_s=tokens * 1e3 / ms if tokens else None,
         loss_first=curve[0], loss_last=curve[-1], losses=curve,
     )
     if b.cuda:
-        row["state_mib"] = (base_mem - mem0) / MIB
-        row["peak_mib"] = (torch.cuda.max_memory_allocated() - base_mem) / MIB
+        case.row["state_mib"] = (case.base_mem - case.mem0) / MIB
+        case.row["peak_mib"] = case.peak / MIB
     if not all(math.isfinite(v) for v in curve):
-        row["note"] = "non-finite loss"
-    del fn, opt, loss_module, model, losses, batches
-    if mode == "compile":
-        torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
+        case.row["note"] = "non-finite loss"
+    case.fn = case.opt = case.sched = case.losses = None
+    case.held = ()
+
+
+def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any],
+               perturb: int | None = None) -> None:
+    """Train one (model, setting, impl) for ``cfg.steps`` steps, alone; fill `row` with its numbers.
+    `perturb`: start from weights moved by one rounding unit (:func:`perturb_`, this seed)."""
+    torch = _torch()
+    compiled = setting.startswith("compile")
+    if compiled:
+        torch._dynamo.reset()  # no guards, caches or recompile counts carried over from the last case
+    _row_shape(row, work)
+    case = start_case(b, work, setting, impl, row, perturb)
+    try:
+        run_steps(b, case, b.cfg.steps)
+        finish_case(b, case)
+    finally:
+        del case
+        if compiled:
+            torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
+
+
+def train_interleaved(b: Bench, work: Workload, setting: str, cases: Sequence[tuple[str, dict[str, Any]]],
+                      block: int) -> dict[str, BaseException]:
+    """Train several impls of one setting side by side: each is built and warmed up in turn, then
+    their timed steps alternate in blocks of `block` steps (the order reversed every other block), so
+    a drift in the host's speed lands on every impl alike. Each model still sees its own batches in
+    order, so the loss curves are those of cases trained alone. Fills each row; returns the impls
+    that failed, with their exceptions (the others go on)."""
+    torch = _torch()
+    cfg = b.cfg
+    compiled = setting.startswith("compile")
+    errors: dict[str, BaseException] = {}
+    live: list[_Case] = []
+    if compiled:
+        torch._dynamo.reset()
+    try:
+        for impl, row in cases:
+            try:
+                _row_shape(row, work)
+                case = start_case(b, work, setting, impl, row)
+                run_steps(b, case, cfg.warmup)
+                live.append(case)
+            except Exception as e:
+                errors[impl] = e
+        k = 0
+        while live and any(c.done < cfg.steps for c in live):
+            for case in live if k % 2 == 0 else live[::-1]:
+                if case.impl in errors or case.done >= cfg.steps:
+                    continue
+                try:
+                    run_steps(b, case, min(block, cfg.steps - case.done))
+                except Exception as e:
+                    errors[case.impl] = e
+                    case.done = cfg.steps
+            k += 1
+        for case in live:
+            if case.impl not in errors:
+                finish_case(b, case)
+    finally:
+        live.clear()
+        if compiled:
+            torch._dynamo.reset()
+    return errors
+
+
+def _row_shape(row: dict[str, Any], work: Workload) -> None:
+    row.setdefault("batch", work.batch)
+    row.setdefault("tokens_per_step", work.tokens_per_step)
 
 
 def loss_rel_diff(a: Sequence[float] | None, ref: Sequence[float] | None) -> float | None:
@@ -824,33 +962,44 @@ def run_model(b: Bench, name: str) -> list[dict[str, Any]]:
         for row in srows:
             row.update(batch=work.batch, seq=work.seq, tokens_per_step=work.tokens_per_step,
                        steps=cfg.steps, warmup=cfg.warmup)
+        mode = s.split("-")[0]
+
+        def done(row: dict[str, Any], rnd: int, into: dict[str, Any], exc: BaseException | None) -> None:
+            if exc is None:
+                row.setdefault("ms_rounds", []).append(into["ms"])
+                _progress(into if rnd == 0 else {**row, "ms": into["ms"]})
+            elif rnd == 0:
+                b.fail(row, exc)
+                print(f"  {name:5s} {row['setting']:12s} {row['impl']:10s} ERROR {row['error'][:120]}", flush=True)
+            else:  # a later round's failure: the rounds so far stand, paired ones only
+                row["note"] = f"round {rnd + 1} failed: {harness.short_error(exc)}"
+
+        # side by side unless an impl needs a context around its whole case (global patches)
+        together = cfg.interleave > 0 and len(srows) > 1 and not any(r["impl"] in work.case_context for r in srows)
         for rnd in range(cfg.repeats):
-            for row in srows if rnd % 2 == 0 else srows[::-1]:
-                if rnd and "ms_rounds" not in row:
-                    continue  # failed or skipped in the first round
-                mode = row["mode"]
-                reason = b.skip_reason(b.case_s.get((name, mode), 0.0))
+            order = [r for r in (srows if rnd % 2 == 0 else srows[::-1]) if not rnd or "ms_rounds" in r]
+            for group in [order] if together else [[r] for r in order]:
+                reason = b.skip_reason(b.case_s.get((name, mode), 0.0) * len(group))
                 if reason:
-                    if rnd == 0:
-                        b.fail(row, reason)
+                    for row in group:
+                        if rnd == 0:
+                            b.fail(row, reason)
                     continue
                 t0 = time.perf_counter()
-                into = row if rnd == 0 else {}
-                try:
-                    with work.case_context.get(row["impl"], contextlib.nullcontext)():
-                        train_case(b, work, s, row["impl"], into)
-                    row.setdefault("ms_rounds", []).append(into["ms"])
-                    _progress(into if rnd == 0 else {**row, "ms": into["ms"]})
-                except Exception as e:
-                    if rnd == 0:
-                        b.fail(row, e)
-                        print(f"  {name:5s} {s:12s} {row['impl']:10s} ERROR {row['error'][:120]}", flush=True)
-                    else:  # a later round's failure: the rounds so far stand, paired ones only
-                        row["note"] = f"round {rnd + 1} failed: {harness.short_error(e)}"
-                    if mode == "compile":
-                        with contextlib.suppress(Exception):
-                            _torch()._dynamo.reset()
-                b.case_s[(name, mode)] = time.perf_counter() - t0
+                intos = [row if rnd == 0 else {} for row in group]
+                if together:
+                    errors = train_interleaved(b, work, s, [(r["impl"], i) for r, i in zip(group, intos, strict=True)],
+                                               cfg.interleave)
+                else:
+                    errors = {}
+                    try:
+                        with work.case_context.get(group[0]["impl"], contextlib.nullcontext)():
+                            train_case(b, work, s, group[0]["impl"], intos[0])
+                    except Exception as e:
+                        errors[group[0]["impl"]] = e
+                for row, into in zip(group, intos, strict=True):
+                    done(row, rnd, into, errors.get(row["impl"]))
+                b.case_s[(name, mode)] = (time.perf_counter() - t0) / len(group)
                 release_memory(b.cuda)
         rounds = min((len(r.get("ms_rounds", [])) for r in srows if "ms_rounds" in r), default=0)
         for row in srows:

@@ -168,6 +168,11 @@ def test_models_config(models: Any) -> None:
     with pytest.raises(SystemExit, match="unknown rule"):
         models.config_from_args(models.parse_args(["--patch-off", "lm_head"]))
     assert full.backward_thread == "worker"  # torch's default
+    assert full.interleave > 0  # a setting's impls side by side by default
+    alone = models.config_from_args(models.parse_args(["--models", "mlp", "--interleave", "0"]))
+    assert alone.interleave == 0 and models.results_name(alone) == "bench_models-mlp-alone"
+    with pytest.raises(SystemExit, match="interleave"):
+        models.config_from_args(models.parse_args(["--interleave", "-1"]))
     caller = models.config_from_args(models.parse_args(["--models", "mlp", "--backward-thread", "caller"]))
     assert caller.backward_thread == "caller" and models.results_name(caller) == "bench_models-mlp-backward-caller"
 
@@ -179,6 +184,44 @@ def test_patch_off_switches_the_rules_off(models: Any) -> None:
     on = models.count_cukit_modules(models.cukit_patch(tf.LlamaForCausalLM(cfg)))
     off = models.count_cukit_modules(models.cukit_patch(tf.LlamaForCausalLM(cfg), off=("rms_norm",)))
     assert on - off == 2 * models.LLAMA_TINY["num_hidden_layers"] + 1  # the RMSNorms
+
+
+def test_interleaved_cases_train_as_they_would_alone(models: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Side by side (blocks of 2 steps, order alternating) each model still sees its own batches in
+    order: the loss curves equal those of the cases trained one after another. An impl that fails
+    mid-run leaves an error row and the others finish."""
+    args = ["--dry-run", "--models", "mlp", "--settings", "eager-bf16", "--steps", "7", "--warmup", "2"]
+    curves = {}
+    for interleave in ("2", "0"):
+        cfg = models.config_from_args(models.parse_args([*args, "--interleave", interleave]))
+        with _import("harness").one_cpu_thread(cfg.device):
+            rows = models.run_model(models.Bench(cfg), "mlp")
+        assert all(r.get("error") is None and r["timed_steps"] == 5 for r in rows), rows
+        curves[interleave] = {r["impl"]: r["losses"] for r in rows}
+    assert curves["2"] == curves["0"] and len(curves["2"]) == len(models.IMPLS["mlp"])
+
+    real = models.make_optimizer
+
+    def failing_late(impl: str, params: list[Any], lr: float) -> Any:
+        opt = real(impl, params, lr)
+        if impl == "cukit":
+            calls = []
+
+            def late(*_: Any) -> None:
+                calls.append(1)
+                if len(calls) == 4:
+                    raise RuntimeError("step 4 exploded")
+
+            opt.register_step_pre_hook(late)
+        return opt
+
+    monkeypatch.setattr(models, "make_optimizer", failing_late)
+    cfg = models.config_from_args(models.parse_args([*args, "--interleave", "2"]))
+    with _import("harness").one_cpu_thread(cfg.device):
+        rows = models.run_model(models.Bench(cfg), "mlp")
+    by = {r["impl"]: r for r in rows}
+    assert "step 4 exploded" in by["cukit"]["error"]
+    assert by["torch"]["losses"] == curves["0"]["torch"] and by["cukit-demo"]["losses"] == curves["0"]["cukit-demo"]
 
 
 def _row(model: str, setting: str, impl: str, ms: float | None, losses: list[float] | None) -> dict[str, Any]:
