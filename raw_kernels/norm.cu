@@ -278,11 +278,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
 
-  // Rows in registers are loaded one iteration ahead (xn, gn) where a thread's share of a row is
-  // small (at most 32 bytes of x): the next row's loads are then in flight while this row is reduced
-  // and written, which the barriers in row_sum would otherwise serialise. Larger shares keep enough
-  // bytes in flight per row, and the registers for a second copy would spill.
-  constexpr bool PREFETCH = NV * VEC * sizeof(T) <= 32;
+  // Scalar rows in registers are loaded one iteration ahead (xn, gn): a thread's few bytes of a row
+  // are then in flight while this row is reduced and written, which the barriers in row_sum would
+  // otherwise serialise. The vector paths hold 16-64 bytes per thread, enough in flight without it;
+  // the second copy's registers cost them occupancy (benchmarks/NOTES.md, "norm backward").
+  constexpr bool PREFETCH = VEC == 1 && NV * sizeof(T) <= 32;
   Pack<T, VEC> xv[NV], xn[NV];
   Pack<O, VEC> gv[NV], gn[NV];
   const long long step = static_cast<long long>(gridDim.x) * rpb;

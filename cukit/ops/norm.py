@@ -91,23 +91,24 @@ def _kernel_weights(x: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _nv(backward: bool, vec: int, itemsize: int, wide_weight: bool = False, layer: bool = False) -> int:
+def _nv(backward: bool, vec: int, itemsize: int, wsize: int = 0, layer: bool = False) -> int:
     """Vectors per thread per chunk of a row (the kernels' NV). Forward: 32 bytes of x per thread
     for RMSNorm of the 16-bit types (16 elements: 40 registers, so a multiprocessor holds twice the
     warps of the 64-byte form's 64 registers, and twice the threads share a row), 64 bytes for
     LayerNorm (`layer`: two row reductions, each slower with twice the threads per row) and for
     float32 and float64 (benchmarks/NOTES.md, "norm forward"). Backward, whose weight and bias
-    sums take a register per element: 32 bytes of x for the 16-bit types (16 elements, loaded a row
-    ahead: see norm_bwd), 64 bytes for float32 and float64, one vector beside a float64 weight
-    (`wide_weight`: float64 sums). The scalar path (vec 1) holds 8 (forward) or 4 (backward)
-    elements. Sized so that the vector paths do not spill at 128 registers (ptxas -v, sm_90)."""
+    sums take a register per element: 64 bytes of x; 32 for the 16-bit types in LayerNorm (the
+    bias sums) or beside a float32 weight (its loads), which would spill at 64; one vector beside
+    a float64 weight of a narrower x (`wsize` 8: float64 sums) (benchmarks/NOTES.md, "norm
+    backward"). The scalar path (vec 1) holds 8 (forward) or 4 (backward) elements. Sized so
+    that the vector paths do not spill at 128 registers (ptxas -v, sm_90)."""
     if vec == 1:
         return 4 if backward else 8
     if not backward:
         return 2 if itemsize == 2 and not layer else 4
-    if wide_weight:
+    if wsize == 8 and itemsize < 8:
         return 1
-    return 2 if itemsize == 2 else 4
+    return 2 if itemsize == 2 and (layer or wsize == 4) else 4
 
 
 def _instantiations() -> dict[str, list[str]]:
@@ -122,7 +123,7 @@ def _instantiations() -> dict[str, list[str]]:
                 for vec in (16 // dt.itemsize, 1):  # the 16-byte vector path and the scalar path
                     nvf = _nv(False, vec, dt.itemsize, layer=mode == LAYER)
                     fwd.append(f"norm_fwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvf}>")
-                    nvb = _nv(True, vec, dt.itemsize, wname == "float64" != name)
+                    nvb = _nv(True, vec, dt.itemsize, DTYPES[wname].itemsize, layer=mode == LAYER)
                     bwd.append(f"norm_bwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvb}>")
         groups[f"{name}/fwd"] = fwd
         groups[f"{name}/bwd"] = bwd
@@ -807,7 +808,7 @@ def _backward_first(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: 
     if wcast is not None:  # the cast copy is fresh (aligned); the caller's weight is what the key saw
         wptr = 0
     vec = _vec(c.x, H, [(_ptr(grad, kind), out.itemsize), (_ptr(x, kind), T.itemsize), (wptr, W.itemsize)])
-    nv = _nv(True, vec, T.itemsize, wk == "float64" != c.x)
+    nv = _nv(True, vec, T.itemsize, W.itemsize, layer=mode == LAYER)
     tpr, rpb = _threads(H, vec, nv)
     in_regs = tpr * nv * vec >= H
     nout = (weight is not None) + (mode == LAYER and bias is not None)
