@@ -703,7 +703,7 @@ class _Case:
     mem0: int
     times_ms: list[float] = field(default_factory=list)
     done: int = 0  # steps run so far
-    base_mem: int = 0  # allocated when the first timed step starts (state, no gradients)
+    base_mem: int | None = None  # allocated once the warm-up steps are done (state, no gradients)
     peak: int = 0  # the most any timed block allocated above its start
 
 
@@ -770,13 +770,13 @@ def run_steps(b: Bench, case: _Case, n: int) -> None:
     fn, opt, sched, batches, losses = case.fn, case.opt, case.sched, case.batches, case.losses
     block_base = None
     for i in range(case.done, case.done + n):
+        if i == cfg.warmup:
+            _mark_state(b, case)
         if i >= cfg.warmup and block_base is None:
             _sync(b.cuda)
             if b.cuda:  # state settled: params, optimizer state; grads are None
                 block_base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                if i == cfg.warmup:
-                    case.base_mem = block_base
             else:
                 block_base = 0
         _sync(b.cuda)
@@ -792,8 +792,17 @@ def run_steps(b: Bench, case: _Case, n: int) -> None:
         case.times_ms.append((time.perf_counter() - t0) * 1e3)
         del loss
     case.done += n
+    if case.done == cfg.warmup:  # warmed up alone (side by side: before the next case is built)
+        _mark_state(b, case)
     if block_base is not None and b.cuda:
         case.peak = max(case.peak, torch.cuda.max_memory_allocated() - block_base)
+
+
+def _mark_state(b: Bench, case: _Case) -> None:
+    """The case's state (params, optimizer state, no gradients) as allocated now, once."""
+    if case.base_mem is None and b.cuda:
+        _sync(b.cuda)
+        case.base_mem = _torch().cuda.memory_allocated()
 
 
 def finish_case(b: Bench, case: _Case) -> None:
@@ -810,7 +819,7 @@ def finish_case(b: Bench, case: _Case) -> None:
         tokens_per_s=tokens * 1e3 / ms if tokens else None,
         loss_first=curve[0], loss_last=curve[-1], losses=curve,
     )
-    if b.cuda:
+    if b.cuda and case.base_mem is not None:
         case.row["state_mib"] = (case.base_mem - case.mem0) / MIB
         case.row["peak_mib"] = case.peak / MIB
     if not all(math.isfinite(v) for v in curve):
