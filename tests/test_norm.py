@@ -666,11 +666,13 @@ def test_launch_geometry_and_declared_instantiations():
                     if vec > 1 and H % vec:
                         continue
                     for layer in (False, True):
-                        nv = nm._nv(backward, vec, itemsize, layer=layer)
-                        tpr, rpb = nm._threads(H, vec, nv)
-                        assert tpr & (tpr - 1) == 0 and 1 <= tpr <= 512 and (tpr * rpb) % 32 == 0, (H, vec, nv)
-                        assert tpr * rpb in (256, tpr)
-                        assert tpr * nv * vec >= H or (tpr == 512 and rpb == 1), (H, vec, nv)
+                        for wsize in {itemsize, 4}:
+                            nv = nm._nv(backward, vec, itemsize, wsize, layer=layer)
+                            tpr, rpb = (nm._bwd_threads(H, vec, nv, itemsize) if backward
+                                        else nm._threads(H, vec, nv))
+                            assert tpr & (tpr - 1) == 0 and 1 <= tpr <= 512 and (tpr * rpb) % 32 == 0, (H, vec, nv)
+                            assert tpr * rpb in (256, 512, tpr) and tpr * rpb <= 512
+                            assert tpr * nv * vec >= H or (tpr == 512 and rpb == 1), (H, vec, nv)
     from cukit.interop import DTYPES
 
     for x in FLOATS:
@@ -682,7 +684,8 @@ def test_launch_geometry_and_declared_instantiations():
                 for vec in (16 // T.itemsize, 1):
                     nvf = nm._nv(False, vec, T.itemsize, layer=mode == nm.LAYER)
                     assert f"norm_fwd<{T.ctype}, {wk}, {mode}, {vec}, {nvf}>" in declared
-                    nv = nm._nv(True, vec, T.itemsize, nm._kernel_weight(c, mode) == "float64" != x)
+                    nv = nm._nv(True, vec, T.itemsize, DTYPES[nm._kernel_weight(c, mode)].itemsize,
+                                layer=mode == nm.LAYER)
                     assert f"norm_bwd<{T.ctype}, {wk}, {mode}, {vec}, {nv}>" in declared
 
 
