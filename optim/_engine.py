@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cukit._device import sm_count
-from cukit._runtime import KernelModule, Launch
+from cukit._runtime import KernelModule, Launch, PlanCache
 from cukit.interop import current_stream
 
 __all__ = ["K_HP", "K_VEC", "MAX_GROUPS", "TensorTable", "launch_count", "launch_update", "no_lr"]
@@ -114,7 +114,7 @@ class TensorTable:
         self.aligned = aligned
         self.device = device.index if device.index is not None else torch.cuda.current_device()
         self.nbytes_per_elem = sum(lst[0].element_size() / d for lst, d in zip(lists, div, strict=True))
-        self.launches: dict[str, Launch | None] = {}  # kernel name -> its prepared launch over this table
+        self.launches: dict[str, Launch] = {}  # kernel name -> its prepared launch over this table
         vectors_per_chunk = self.numel / max(C, 1) / K_VEC
         self.block = int(
             min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(vectors_per_chunk, 1))))))
@@ -234,29 +234,17 @@ def launch_update(
     the kernel rounds all of them to its accumulation type."""
     if table.C == 0:
         return
-    args = (table.table, table.T, table.C, table.chunk, hp, groups, *lrs, lr_dev, grad_div, grad_mul, skip, *extra)
-    stream = current_stream(table.device, True)
-    try:
-        run = table.launches[name]
-    except KeyError:
-        run = table.launches[name] = _prepared(module, name, (table.grid,), (table.block,), table.device)
+    # Prepared on the table's first step with every argument given per call (they change from
+    # step to step): a struct pack and the driver call instead of a generic launch's conversions.
+    run = table.launches.get(name)
     if run is None:
-        module.launch(name, (table.grid,), (table.block,), args, device=table.device, stream=stream)
-    else:
-        run(_head(args), stream)
+        run = table.launches[name] = module.prepare(name, (table.grid,), (table.block,), (), device=table.device)
+    run(_head((table.table, table.T, table.C, table.chunk, hp, groups, *lrs, lr_dev, grad_div, grad_mul, skip,
+               *extra)), current_stream(table.device, True))
 
 
-# (module, kernel, device, grid) -> the step counter's prepared launch; a handful per process
-_COUNT_LAUNCHES: dict[tuple[int, str, int, int], tuple[KernelModule, Launch | None]] = {}
-
-
-def _prepared(module: KernelModule, name: str, grid: tuple[int, ...], block: tuple[int, ...],
-              device: int) -> Launch | None:
-    """A launch of `name` with every argument given per call (an optimizer's launches recur each
-    step with new scalars: one struct pack and the driver call instead of a generic launch's
-    conversions). None where the driver cannot be called directly: the generic launch then."""
-    run = module.prepare(name, grid, block, (), device=device)
-    return run if run._fixed is not None else None
+# (module file, device, grid) -> the step counter's prepared launch
+_COUNT_LAUNCHES = PlanCache("mt_count_step", maxsize=64)
 
 
 def _head(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -270,18 +258,12 @@ def launch_count(module: KernelModule, steps: torch.Tensor, skip: torch.Tensor |
     if n == 0:
         return
     device = steps.get_device()
-    name, grid = "cukit::mt::mt_count_step<0>", max(1, min(-(-n // 256), 1024))
-    stream = current_stream(device, True)
-    key = (id(module), name, device, grid)
-    entry = _COUNT_LAUNCHES.get(key)
-    if entry is None or entry[0] is not module:
-        if len(_COUNT_LAUNCHES) >= 64:
-            _COUNT_LAUNCHES.clear()
-        entry = _COUNT_LAUNCHES[key] = (module, _prepared(module, name, (grid,), (256,), device))
-    if entry[1] is None:
-        module.launch(name, (grid,), (256,), (steps, n, skip), device=device, stream=stream)
-    else:
-        entry[1](_head((steps, n, skip)), stream)
+    grid = max(1, min(-(-n // 256), 1024))
+    key = (module.key, device, grid)
+    run = _COUNT_LAUNCHES.get(key)
+    if run is None:
+        run = _COUNT_LAUNCHES.put(key, module.prepare("cukit::mt::mt_count_step<0>", (grid,), (256,), (), device=device))
+    run(_head((steps, n, skip)), current_stream(device, True))
 
 
 def hp_tensor(values: Sequence[float], device: torch.device | int) -> torch.Tensor:

@@ -275,3 +275,20 @@ def test_gpu_prepared_launch_from_a_fresh_thread():
     torch.cuda.synchronize()
     assert isinstance(got[0], torch.Tensor), got[0]
     torch.testing.assert_close(got[0], want, rtol=0, atol=0)
+
+
+def test_launch_without_the_driver_types_scalars_by_the_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where libcuda cannot be called directly, a prepared launch goes through CuPy, which would send
+    a Python int or float at 8 bytes: the leading arguments are typed by the kernel's signature."""
+    monkeypatch.setattr(rt, "_cu_launch_kernel", lambda: None)
+    monkeypatch.setattr(rt, "_get_device", lambda: 0)
+    seen = []
+
+    def fn(grid: object, block: object, args: tuple, shared_mem: int, stream: object) -> None:
+        seen.append(args)
+
+    run = rt.Launch(fn, (4,), (32,), (np.int32(7),), 0, 0, "k", ("ptr", "i32", "f32", "f64", "i64"), ("i32",))
+    run((123, 5, 0.5, 0.25, -3), None)
+    (args,) = seen
+    assert [type(a) for a in args] == [int, np.int32, np.float32, np.float64, np.int64, np.int32]
+    assert args[:5] == (123, 5, 0.5, 0.25, -3) and args[5] == 7
