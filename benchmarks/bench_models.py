@@ -691,7 +691,6 @@ class _Case:
     :func:`finish_case` reports into `row`."""
 
     impl: str
-    mode: str
     row: dict[str, Any]
     fn: Any  # the (compiled) loss module
     opt: Any
@@ -757,7 +756,7 @@ def start_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str,
         return contextlib.nullcontext()
 
     losses = torch.empty(cfg.steps, dtype=torch.float32, device=cfg.device)
-    return _Case(impl, mode, row, fn, opt, sched, work.batches_for(precision), losses, autocast,
+    return _Case(impl, row, fn, opt, sched, work.batches_for(precision), losses, autocast,
                  (model, loss_module), mem0)
 
 
@@ -830,48 +829,40 @@ def finish_case(b: Bench, case: _Case) -> None:
 
 def train_case(b: Bench, work: Workload, setting: str, impl: str, row: dict[str, Any],
                perturb: int | None = None) -> None:
-    """Train one (model, setting, impl) for ``cfg.steps`` steps, alone; fill `row` with its numbers.
+    """Train one (model, setting, impl) for ``cfg.steps`` steps, alone; fill `row` with its numbers
+    (:func:`train_cases` with one case, whose exception it raises).
     `perturb`: start from weights moved by one rounding unit (:func:`perturb_`, this seed)."""
-    torch = _torch()
-    compiled = setting.startswith("compile")
-    if compiled:
-        torch._dynamo.reset()  # no guards, caches or recompile counts carried over from the last case
-    _row_shape(row, work)
-    case = start_case(b, work, setting, impl, row, perturb)
-    try:
-        run_steps(b, case, b.cfg.steps)
-        finish_case(b, case)
-    finally:
-        del case
-        if compiled:
-            torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
+    error = train_cases(b, work, setting, [(impl, row)], b.cfg.steps, perturb).get(impl)
+    if error is not None:
+        raise error
 
 
-def train_interleaved(b: Bench, work: Workload, setting: str, cases: Sequence[tuple[str, dict[str, Any]]],
-                      block: int) -> dict[str, BaseException]:
-    """Train several impls of one setting side by side: each is built and warmed up in turn, then
-    their timed steps alternate in blocks of `block` steps (the order reversed every other block), so
-    a drift in the host's speed lands on every impl alike. Each model still sees its own batches in
+def train_cases(b: Bench, work: Workload, setting: str, cases: Sequence[tuple[str, dict[str, Any]]],
+                block: int, perturb: int | None = None) -> dict[str, BaseException]:
+    """Train impls of one setting side by side: each is built and warmed up in turn, then their
+    timed steps alternate in blocks of `block` steps (the order reversed every other block), so a
+    drift in the host's speed lands on every impl alike. Each model still sees its own batches in
     order, so the loss curves are those of cases trained alone. Fills each row; returns the impls
-    that failed, with their exceptions (the others go on)."""
+    that failed, with their exceptions (the others go on). `perturb`: see :func:`start_case`."""
     torch = _torch()
     cfg = b.cfg
     compiled = setting.startswith("compile")
     errors: dict[str, BaseException] = {}
     live: list[_Case] = []
     if compiled:
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # no guards, caches or recompile counts carried over from the last cases
     try:
         for impl, row in cases:
             try:
                 _row_shape(row, work)
-                case = start_case(b, work, setting, impl, row)
-                run_steps(b, case, cfg.warmup)
+                case = start_case(b, work, setting, impl, row, perturb)
                 live.append(case)
+                run_steps(b, case, cfg.warmup)
             except Exception as e:
                 errors[impl] = e
+        live = [c for c in live if c.impl not in errors]
         k = 0
-        while live and any(c.done < cfg.steps for c in live):
+        while any(c.done < cfg.steps for c in live):
             for case in live if k % 2 == 0 else live[::-1]:
                 if case.impl in errors or case.done >= cfg.steps:
                     continue
@@ -887,7 +878,7 @@ def train_interleaved(b: Bench, work: Workload, setting: str, cases: Sequence[tu
     finally:
         live.clear()
         if compiled:
-            torch._dynamo.reset()
+            torch._dynamo.reset()  # drop the compiled graphs (they hold the models)
     return errors
 
 
@@ -996,16 +987,11 @@ def run_model(b: Bench, name: str) -> list[dict[str, Any]]:
                     continue
                 t0 = time.perf_counter()
                 intos = [row if rnd == 0 else {} for row in group]
-                if together:
-                    errors = train_interleaved(b, work, s, [(r["impl"], i) for r, i in zip(group, intos, strict=True)],
-                                               cfg.interleave)
-                else:
-                    errors = {}
-                    try:
-                        with work.case_context.get(group[0]["impl"], contextlib.nullcontext)():
-                            train_case(b, work, s, group[0]["impl"], intos[0])
-                    except Exception as e:
-                        errors[group[0]["impl"]] = e
+                context = contextlib.nullcontext if together else work.case_context.get(group[0]["impl"],
+                                                                                          contextlib.nullcontext)
+                with context():
+                    errors = train_cases(b, work, s, [(r["impl"], i) for r, i in zip(group, intos, strict=True)],
+                                         cfg.interleave if together else cfg.steps)
                 for row, into in zip(group, intos, strict=True):
                     done(row, rnd, into, errors.get(row["impl"]))
                 b.case_s[(name, mode)] = (time.perf_counter() - t0) / len(group)
