@@ -328,7 +328,8 @@ def _torch() -> Any:
 
 
 class ModelUnavailable(RuntimeError):
-    """A model cannot be built here (transformers missing): its rows say so, the run goes on."""
+    """A model or an optional baseline cannot be built here (transformers or liger_kernel missing):
+    its rows say so ("skipped: ..."), the run goes on."""
 
 
 def _transformers() -> Any:
@@ -500,7 +501,7 @@ def _liger_llama(base: Any) -> Callable[[], Any]:
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except ImportError as e:
-            raise ModelUnavailable(f"liger_kernel is not importable ({e})") from e
+            raise ModelUnavailable(f"skipped: liger_kernel is not importable ({e})") from e
         model = copy.deepcopy(base)
         apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True, model=model)
@@ -653,7 +654,7 @@ class Bench(harness.RunState):
 
     def fail(self, row: dict[str, Any], exc: BaseException | str) -> None:
         where = f"{row.get('model')} {row.get('setting', '')} {row.get('impl', '')}"
-        row["error"] = self.record_failure(where, exc)
+        row["error"] = self.record_failure(where, str(exc) if isinstance(exc, ModelUnavailable) else exc)
 
 
 def release_memory(cuda: bool) -> None:
