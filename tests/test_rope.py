@@ -213,6 +213,46 @@ def test_cpu_torch_compile_fullgraph(compile_policy: str):
     ref.backward()
     assert_close(out, ref)
     assert_close(q.grad, q2.grad)
+
+
+@pytest.mark.parametrize("D, R, tc", [(8, 8, "float64"), (8, 4, "float64"), (8, 8, "float32")])
+def test_cpu_compile_form_is_transformers_expression_where_tables_match(D: int, R: int, tc: str):
+    """Under the inductor policy, full-width tables of q's dtype trace as transformers'
+    ``x * cos + rotate_half(x) * sin`` (the stock model's graph, fused alike); partial rotary or
+    tables of another dtype trace as the reference. Both equal the float64 reference, values and
+    gradients."""
+    q, k, cos, sin, _ = make_case("torch", 2, 5, 4, 2, D, R, "float64", tc)
+    q, k = q.requires_grad_(), k.requires_grad_()
+
+    def f(q, k, cos, sin):
+        a, b = cukit.rotary_embedding(q, k, cos, sin)
+        return (a.square().sum() + (b * 3).sum()) / 3
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cukit.ops import rope as rope_ops
+    from cukit.torch import get_compile_policy, set_compile_policy
+
+    old = get_compile_policy()
+    set_compile_policy("inductor")
+    try:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        out = torch.compile(f, backend=counter, fullgraph=True)(q, k, cos, sin)
+    finally:
+        set_compile_policy(old)
+    targets = [str(n.target) for g in counter.graphs for n in g.graph.nodes]
+    transformers_form = D == R and tc == "float64"
+    assert any("neg" in t for t in targets) == transformers_form, targets  # rotate_half's negation
+    out.backward()
+    q2, k2 = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    qr, kr = (torch.from_numpy(v) for v in rope_ops.reference_numpy(q2.detach().numpy(), k2.detach().numpy(),
+                                                                  cos.double().numpy(), sin.double().numpy()))
+    assert_close(out, (qr.square().sum() + (kr * 3).sum()) / 3)
+    ref = f(q2, k2, cos.double(), sin.double())
+    ref.backward()
+    assert_close(q.grad, q2.grad)
+    assert_close(k.grad, k2.grad)
     assert_close(k.grad, k2.grad)
 
 

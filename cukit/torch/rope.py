@@ -99,9 +99,22 @@ def _rope_fake(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return _empty_like_each(q, k, getattr(torch, spec.to))
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
 def _rope_compile_as(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What torch.compile traces under the "inductor" policy: the reference (fused by inductor)."""
+    """What torch.compile traces under the "inductor" policy. Tables of q's dtype over the whole
+    head_dim (transformers' Llama family): ``x * cos + rotate_half(x) * sin``, transformers' own
+    expression, so that inductor fuses the patched model's forward and backward exactly as the
+    stock model's (the kernel's form adds a table copy and a transpose per layer there). inductor
+    keeps the intermediates in fp32 and rounds once, as the kernel does. Otherwise the reference."""
+    _op.validate(q, k, cos, sin, unsqueeze_dim)
+    if q.dtype == k.dtype == cos.dtype == sin.dtype and cos.shape[-1] == q.shape[-1] == k.shape[-1]:
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     return _op.reference_torch(q, k, cos, sin, unsqueeze_dim)
 
 
