@@ -101,8 +101,8 @@ def clip_and_accumulate(
     if noise_multiplier is not None:
         _check_positive(fn, "noise_multiplier", noise_multiplier, zero_ok=True)
     loss, cap, B, scale = _ps.run(model, loss_fn, inputs, targets, loss_reduction, fn)
-    dtype = _ps._norm_dtype(model)
-    device = _ps._device_of(model, inputs)
+    dtype = _ps._norm_dtype(cap)
+    device = _ps._device_of(cap, inputs)
     sq = _ps.sq_norms_of(cap, B, device, dtype)
     if scale != 1.0:
         sq = sq * (scale * scale)

@@ -507,10 +507,13 @@ def _paused() -> Iterator[None]:
 
 @dataclass
 class Capture:
-    """The calls recorded during one forward pass and the parameter names of the model."""
+    """The calls recorded during one forward pass, the model's trainable parameter names, and
+    what the norms need of its parameters (read in the same walk of the module tree)."""
 
     calls: list[Call] = field(default_factory=list)
-    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> model's name for it
+    names: dict[int, str] = field(default_factory=dict)  # id(trainable parameter) -> model's name for it
+    any_float64: bool = False  # some parameter is float64: norms are float64
+    device: torch.device | None = None  # the first parameter's device (None: no parameters)
 
 
 @contextmanager
@@ -519,7 +522,7 @@ def capture(model: nn.Module) -> Iterator[Capture]:
     docstring). ValueError for a training-mode BatchNorm before anything runs."""
     from torch.autograd.graph import get_gradient_edge
 
-    cap = Capture(names={id(p): n for n, p in model.named_parameters() if p.requires_grad})
+    cap = Capture()
     handles = []
 
     def hook(m: nn.Module, args: tuple, kwargs: dict, out: Any, kind: Kind, params: dict) -> None:
@@ -532,8 +535,21 @@ def capture(model: nn.Module) -> Iterator[Capture]:
             cap.calls.append(Call(m, kind, saved, [get_gradient_edge(ts[i]) for i in pos], params, pos))
 
     try:
-        for m in model.modules():
-            own = {k: p for k, p in m.named_parameters(recurse=False) if p.requires_grad}
+        # one walk (named_parameters() per module and for the model would each walk it again: the
+        # call is host-bound for small models); names and order are named_parameters()'s
+        names = cap.names
+        for prefix, m in model.named_modules():
+            own = {}
+            for k, p in m._parameters.items():
+                if p is None:
+                    continue
+                if cap.device is None:
+                    cap.device = p.device
+                cap.any_float64 = cap.any_float64 or p.dtype == torch.float64
+                if p.requires_grad:
+                    own[k] = p
+                    if id(p) not in names:
+                        names[id(p)] = f"{prefix}.{k}" if prefix else k
             if not own:
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     kind_of(m)
@@ -593,7 +609,7 @@ def _attach_orphans(model: nn.Module, cap: Capture, loss: torch.Tensor, fn: str)
     functionally by a module without parameters of its own) is a ValueError: its per-sample
     gradient would be silently missed. Unused parameters are fine (their grads are zeros)."""
     covered = {id(p) for c in cap.calls for p in c.params.values()}
-    orphans = {id(p): n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered}
+    orphans = {pid: n for pid, n in cap.names.items() if pid not in covered}
     if not orphans:
         return
     for c in cap.calls:
@@ -680,17 +696,24 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: An
     return out
 
 
-def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bool = False) -> Any:
+def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bool = False,
+                finish_scale: float | None = None) -> Any:
     """Squared per-sample gradient norms summed over all parameters (B,) (ghost norms wherever a
     parameter has one use; a parameter used by several calls or modules is materialised, since
-    the norm of a sum is not the sum of norms). per_parameter: a dict id(param) -> (B,) instead."""
+    the norm of a sum is not the sum of norms). per_parameter: a dict id(param) -> (B,) instead.
+    finish_scale: the norms of the loss scaled by it, ``sqrt(finish_scale^2 * sum)``, instead."""
     per: dict[int, torch.Tensor] = {}
     multi: set[int] = {pid for pid, uses in _param_calls(cap).items() if len(uses) > 1}
     shared: dict[int, torch.Tensor] = {}
+    dense: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
     for c in cap.calls:
         if c.grad is None:
             continue
         single = {k for k, p in c.params.items() if id(p) not in multi}
+        if not per_parameter and _is_dense(c, single):
+            a, g = c.kind._ag(c, c.grad)  # type: ignore[attr-defined]
+            dense.setdefault(g.dtype, []).append((a, g, "bias" in single))
+            continue
         if single:
             for k, s in c.kind.sq_norms(c, c.grad).items():
                 if k in single:
@@ -705,10 +728,23 @@ def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bo
         per[pid] = ops.row_sq_norms(v).to(dtype)
     if per_parameter:
         return per
-    if not per:
-        return torch.zeros(B, device=device, dtype=dtype)
+    if len(dense) == 1 and not per:  # every layer in one launch (per four layers), the norms included
+        sq = ops.dense_sq_norms(next(iter(dense.values())), finish_scale=finish_scale)
+        return sq if sq.dtype == dtype else sq.to(dtype)
+    parts = list(per.values()) + [ops.dense_sq_norms(layers).to(dtype) for layers in dense.values()]
     # one stacked sum, not a launch per parameter: the call is host-bound at small batches
-    return torch.stack(list(per.values())).sum(0)
+    sq = torch.zeros(B, device=device, dtype=dtype) if not parts else parts[0] if len(parts) == 1 else (
+        torch.stack(parts).sum(0))
+    if finish_scale is None:
+        return sq
+    return (sq if finish_scale == 1.0 else sq * (finish_scale * finish_scale)).sqrt()
+
+
+def _is_dense(c: Call, single: set[str]) -> bool:
+    """A Linear call whose ghost norm is ||a_i||^2 ||g_i||^2 (2-D input) with its weight (and bias)
+    used by this call alone: :func:`cukit.ops.per_sample.dense_sq_norms` takes it."""
+    return (isinstance(c.kind, LinearKind) and c.saved.ndim == 2 and "weight" in single
+            and single == set(c.params) and set(c.params) <= {"weight", "bias"})
 
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, *,
@@ -718,30 +754,28 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Any, target
     ``||a||^2 ||g||^2`` or Gram matrices; the small norm-weight and bias grads are formed).
 
     Arguments as :func:`per_sample_grads`. per_parameter: a dict name -> (B,) norms instead.
-    Returns float32 (float64 for a float64 model). One forward and one backward pass.
+    Returns float32 (float64 for a float64 model). One forward and one backward pass; on CUDA the
+    norms of every Linear layer with 2-D inputs come from one launch (per four layers).
 
     See also: Opacus' ghost clipping, Li et al. 2022 ("Large language models can be strong
     differentially private learners"), Bu et al. 2023 (Book-Keeping).
     """
     _, cap, B, scale = run(model, loss_fn, inputs, targets, loss_reduction, "cukit.per_sample_grad_norms")
-    dtype = _norm_dtype(model)
-    device = _device_of(model, inputs)
+    dtype = _norm_dtype(cap)
+    device = _device_of(cap, inputs)
     if per_parameter:
         per = sq_norms_of(cap, B, device, dtype, per_parameter=True)
-        return {n: (per[id(p)] * scale * scale).sqrt() if id(p) in per else torch.zeros(B, device=device, dtype=dtype)
-                for n, p in model.named_parameters() if p.requires_grad}
-    sq = sq_norms_of(cap, B, device, dtype)
-    return (sq if scale == 1.0 else sq * (scale * scale)).sqrt()
+        return {n: (per[pid] * scale * scale).sqrt() if pid in per else torch.zeros(B, device=device, dtype=dtype)
+                for pid, n in cap.names.items()}
+    return sq_norms_of(cap, B, device, dtype, finish_scale=scale)
 
 
-def _norm_dtype(model: nn.Module) -> torch.dtype:
-    return torch.float64 if any(p.dtype == torch.float64 for p in model.parameters()) else torch.float32
+def _norm_dtype(cap: Capture) -> torch.dtype:
+    return torch.float64 if cap.any_float64 else torch.float32
 
 
-def _device_of(model: nn.Module, inputs: Any) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return _as_args(inputs)[0].device
+def _device_of(cap: Capture, inputs: Any) -> torch.device:
+    return cap.device if cap.device is not None else _as_args(inputs)[0].device
 
 
 def named_trainable(model: nn.Module) -> Sequence[tuple[str, nn.Parameter]]:

@@ -5,6 +5,8 @@
 //   row_sumsq_partial / row_sum_reduce   s[i] = sum_j x[i, j]^2 (or x[i, j] y[i, j]): ghost norms
 //   sum_t                                out[i, c] = sum_t g[i, t, c] (* x[i, t, c]): per-sample
 //                                        bias and norm-weight grads
+//   dense_ghost_norms                    the ghost norms of several Linear layers with 2-D inputs
+//                                        in one launch
 //   clip_factors                         norm = sqrt(s), f = min(1, C / (norm + 1e-6))
 //   scale_rows                           y[i, :] = x[i, :] * f[i]: output grads scaled before the
 //                                        clipped contraction (Book-Keeping)
@@ -83,6 +85,71 @@ __global__ void row_sum_reduce(const A* __restrict__ partial, A* __restrict__ ou
   A s = A(0);
   for (long long k = 0; k < splits; ++k) s += partial[i * splits + k];
   out[i] = s;
+}
+
+// Ghost norms of up to kDenseLayers Linear layers y = a W^T (+ b) with 2-D inputs, in one launch:
+//   s = sum over layers l of ||g_l[i, :]||^2 (||a_l[i, :]||^2 + bias_l)
+// (||dW_i||_F^2 = ||a_i||^2 ||g_i||^2, ||db_i||^2 = ||g_i||^2), a_l (rows, na_l), g_l (rows, ng_l),
+// bias_l = bit l of bias_mask; out[i] = s (accumulate: out[i] + s; finish: sqrt(scale2 * that),
+// the norms themselves). One block per row (grid-stride), the layers in order, each sum by
+// block_sum: a fixed order, no atomics, bitwise reproducible. Small models call this once per
+// backward instead of several launches per layer: their step is host-bound.
+constexpr int kDenseLayers = 4;
+
+template <typename T, int VEC>
+__device__ __forceinline__ acc_t<T> row_sumsq(const T* __restrict__ r, long long n) {
+  using A = acc_t<T>;
+  constexpr int U = 2;
+  const long long step = static_cast<long long>(blockDim.x) * VEC;
+  A acc = A(0);
+  for (long long j0 = static_cast<long long>(threadIdx.x) * VEC; j0 < n; j0 += step * U) {
+    Vec<T, VEC> v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (j0 + u * step < n) v[u] = load_vec<T, VEC>(r + j0 + u * step);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (j0 + u * step < n) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const A x = to_acc<A>(v[u].v[k]);
+          acc += x * x;
+        }
+      }
+    }
+  }
+  return acc;
+}
+
+template <typename T, int VEC>
+__global__ void dense_ghost_norms(acc_t<T>* __restrict__ out, const T* a0, const T* g0, const T* a1, const T* g1,
+                                  const T* a2, const T* g2, const T* a3, const T* g3, long long rows,
+                                  long long na0, long long ng0, long long na1, long long ng1, long long na2,
+                                  long long ng2, long long na3, long long ng3, int layers, int bias_mask,
+                                  int accumulate, int finish, double scale2) {
+  using A = acc_t<T>;
+  __shared__ A smem[32];
+  const T* as[kDenseLayers] = {a0, a1, a2, a3};
+  const T* gs[kDenseLayers] = {g0, g1, g2, g3};
+  const long long nas[kDenseLayers] = {na0, na1, na2, na3};
+  const long long ngs[kDenseLayers] = {ng0, ng1, ng2, ng3};
+  // the row bound is uniform over the block, so every thread reaches block_sum's barriers
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    A s = A(0);
+#pragma unroll
+    for (int l = 0; l < kDenseLayers; ++l) {
+      if (l < layers) {
+        const A sa = block_sum(row_sumsq<T, VEC>(as[l] + row * nas[l], nas[l]), smem);
+        const A sg = block_sum(row_sumsq<T, VEC>(gs[l] + row * ngs[l], ngs[l]), smem);
+        s += sg * (sa + static_cast<A>((bias_mask >> l) & 1));
+      }
+    }
+    if (threadIdx.x == 0) {
+      if (accumulate) s = out[row] + s;
+      out[row] = finish ? static_cast<A>(sqrt(scale2 * static_cast<double>(s))) : s;
+    }
+  }
 }
 
 // out[i, c] = sum_t g[i, t, c] (PROD: g[i, t, c] * x[i, t, c]) for g, x of shape (B, T, d).

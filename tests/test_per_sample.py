@@ -497,6 +497,64 @@ def test_row_sq_norms(shape: tuple) -> None:
     torch.testing.assert_close(ops.row_sq_norms(x, y), (x * y).reshape(rows).sum(1))
 
 
+def _dense_layers(B: int, dims: list[tuple[int, int]], dtype: Any, device: str = "cpu") -> list[tuple]:
+    return [(torch.randn(B, i, dtype=dtype, device=device), torch.randn(B, o, dtype=dtype, device=device),
+             bool(k % 2 == 0)) for k, (i, o) in enumerate(dims)]
+
+
+def _dense_want(layers: list[tuple], materialise: bool = True) -> torch.Tensor:
+    """||dW_i||^2 + ||db_i||^2 per sample in float64: from the materialised per-sample grads, or
+    (materialise=False, for shapes whose grads would not fit) from the row norms."""
+    total = 0
+    for a, g, b in layers:
+        a, g = a.double().cpu(), g.double().cpu()
+        dw = (g[:, :, None] * a[:, None, :]).flatten(1).square().sum(1) if materialise else (
+            g.square().sum(1) * a.square().sum(1))
+        total = total + dw + (g.square().sum(1) if b else 0)
+    return total
+
+
+@pytest.mark.parametrize("dims", [[(5, 3)], [(7, 4), (4, 1), (1, 9)], [(3, 2)] * 9, [(0, 3), (3, 0)]])
+def test_dense_sq_norms(dims: list) -> None:
+    layers = _dense_layers(6, dims, F64)
+    torch.testing.assert_close(ops.dense_sq_norms(layers), _dense_want(layers))
+    torch.testing.assert_close(ops.dense_sq_norms(layers, finish_scale=3.0), (9 * _dense_want(layers)).sqrt())
+
+
+def test_dense_sq_norms_bad_inputs() -> None:
+    a, g = torch.randn(4, 3), torch.randn(4, 2)
+    with pytest.raises(ValueError, match=r"dense_sq_norms: layers must hold at least one"):
+        ops.dense_sq_norms([])
+    with pytest.raises(TypeError, match=r"dense_sq_norms: layers\[0\] must be a tuple \(a, g, bias\)"):
+        ops.dense_sq_norms([(a, g)])
+    with pytest.raises(TypeError, match=r"layers\[0\]\[2\] \(bias\) must be a bool; got int"):
+        ops.dense_sq_norms([(a, g, 1)])
+    with pytest.raises(ValueError, match=r"layers\[1\] g must have 4 rows \(samples, layers\[0\]'s\); got shape \(5, 2\)"):
+        ops.dense_sq_norms([(a, g, True), (a, torch.randn(5, 2), True)])
+    with pytest.raises(TypeError, match=r"layers\[1\] a must have dtype torch.float32 \(layers\[0\]'s\); got torch.float64"):
+        ops.dense_sq_norms([(a, g, True), (a.double(), g, True)])
+    with pytest.raises(ValueError, match=r"layers\[0\]\[0\] \(a\) must be 2-D; got shape \(4, 1, 3\)"):
+        ops.dense_sq_norms([(a[:, None], g, True)])
+
+
+def test_norms_mixed_dense_and_other_layers() -> None:
+    """Linear layers with 2-D inputs take the one-launch route; a conv, a tied (materialised)
+    weight and a frozen weight with a trainable bias take the others; the sum is exact."""
+    lin = nn.Linear(6, 6, dtype=F64)
+    m = nn.Sequential(nn.Conv2d(1, 2, 3, dtype=F64), nn.Flatten(), nn.Linear(18, 6, dtype=F64), nn.Tanh(), lin,
+                      nn.ReLU(), lin, nn.Linear(6, 4, dtype=F64))
+    m[7].weight.requires_grad_(False)
+    x, y = torch.randn(5, 1, 5, 5, dtype=F64), torch.randint(0, 4, (5,))
+    check(m, x, y, ce_sum)
+    for reduction in ("sum", "mean"):
+        def loss(o: Any, t: Any, reduction: str = reduction) -> torch.Tensor:
+            return nn.functional.cross_entropy(o, t, reduction=reduction)
+
+        ref = vmap_grads(m, loss, x, y)
+        want = torch.sqrt(sum(v.flatten(1).square().sum(1) for v in ref.values()))  # sample i's own loss
+        torch.testing.assert_close(cukit.per_sample_grad_norms(m, loss, x, y, loss_reduction=reduction), want)
+
+
 @pytest.mark.parametrize("T,d_in,d_out", [(1, 5, 3), (4, 5, 3), (7, 2, 3), (3, 1, 1)])
 def test_linear_routes_agree(T: int, d_in: int, d_out: int) -> None:
     a, g = torch.randn(4, T, d_in, dtype=F64), torch.randn(4, T, d_out, dtype=F64)
@@ -619,6 +677,43 @@ def test_gpu_sum_t_scale_weighted(dtype: Any, shape: tuple) -> None:
     for a, b in zip(ops.clip_factors(sq, 1.5), ops.reference_clip_factors(sq, 1.5), strict=True):
         torch.testing.assert_close(a, b, equal_nan=True)
         assert torch.isnan(a[0])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", [[(784, 512), (512, 512), (512, 10)], [(7, 3)], [(64, 24)] * 9,
+                                  [(1000, 4097), (3, 1)], [(0, 8), (8, 0)]])
+@pytest.mark.parametrize("B", [1, 256, 3000])
+def test_gpu_dense_sq_norms(dtype: Any, dims: list, B: int) -> None:
+    layers = _dense_layers(B, dims, dtype, "cuda")
+    rtol, atol = TOL[dtype]
+    want = _dense_want(layers, materialise=False)  # the identity itself is tested on the CPU
+    scale = atol * max(1, max(i * o for i, o in dims))
+    got = ops.dense_sq_norms(layers)
+    assert got.dtype == (F64 if dtype == F64 else torch.float32)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=rtol, atol=scale)
+    assert torch.equal(ops.dense_sq_norms(layers), got)  # bitwise reproducible (plan-cache hit)
+    torch.testing.assert_close(ops.dense_sq_norms(layers, finish_scale=2.0).double().cpu(), (4 * want).sqrt(),
+                               rtol=rtol, atol=scale ** 0.5)
+    # strided and misaligned views: copied, or the scalar path
+    odd = [(torch.randn(B, a.shape[1] + 1, device="cuda").to(dtype)[:, 1:], g.t().contiguous().t(), b)
+           for a, g, b in layers]
+    torch.testing.assert_close(ops.dense_sq_norms(odd).double().cpu(), _dense_want(odd, materialise=False),
+                               rtol=rtol, atol=scale)
+
+
+@gpu
+@needs_cuda
+def test_gpu_dense_sq_norms_plan_cache() -> None:
+    layers = _dense_layers(32, [(16, 8), (8, 4)], torch.float32, "cuda")
+    ops.dense_sq_norms(layers)
+    n = len(ops._DENSE_PLANS)
+    fresh = [(a.clone(), g.clone(), b) for a, g, b in layers]  # new pointers, same signature
+    ops.dense_sq_norms(fresh)
+    assert len(ops._DENSE_PLANS) == n
+    ops.dense_sq_norms(fresh[:1])  # another signature: a new plan
+    assert len(ops._DENSE_PLANS) == n + 1
 
 
 @gpu

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from cukit._device import sm_count
-from cukit._runtime import KernelModule, PlanCache
+from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import DTYPES, current_stream
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "conv_grads",
     "conv_route",
     "conv_sq_norms",
+    "dense_sq_norms",
     "embedding_grads",
     "embedding_sq_norms",
     "linear_grads",
@@ -54,6 +55,7 @@ __all__ = [
     "reference_clip_factors",
     "reference_conv_grads",
     "reference_conv_sq_norms",
+    "reference_dense_sq_norms",
     "reference_embedding_grads",
     "reference_embedding_sq_norms",
     "reference_linear_grads",
@@ -86,6 +88,7 @@ def _instantiations() -> dict[str, list[str]]:
             exprs += [f"row_sumsq_partial<{t}, {two}, {v}>" for two in ("false", "true")]
             exprs += [f"sum_t<{t}, {o}, {prod}, {v}>" for o in outs for prod in ("false", "true")]
             exprs.append(f"scale_rows<{t}, {v}>")
+            exprs.append(f"dense_ghost_norms<{t}, {v}>")
             exprs.append(f"weighted_sum_partial<{t}, {v}>")
         exprs += [f"weighted_sum_reduce<{a}, {o}>" for o in outs if o != a]
         groups[name] = exprs
@@ -107,6 +110,7 @@ KERNELS = KernelModule(
         "row_sum_reduce": "ptr ptr i64 i64",
         "sum_t": "ptr ptr ptr i64 i64 i64",
         "clip_factors": "ptr ptr ptr f64 i64",
+        "dense_ghost_norms": "ptr" + " ptr ptr" * 4 + " i64" + " i64 i64" * 4 + " i32 i32 i32 i32 f64",
         "scale_rows": "ptr ptr ptr i64 i64",
         "weighted_sum_partial": "ptr ptr ptr i64 i64 i64",
         "weighted_sum_reduce": "ptr ptr i32 i64 i64",
@@ -604,6 +608,126 @@ def reference_linear_sq_norms(a: Any, g: Any, *, gram: bool = True) -> Any:
     if gram:
         return ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
     return (g3.transpose(1, 2) @ a3).square().sum((1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# dense_sq_norms: the ghost norms of several Linear layers with 2-D inputs, summed, in one launch
+# ---------------------------------------------------------------------------------------------
+
+_DENSE_LAYERS = 4  # kDenseLayers in per_sample.cu: layers per launch
+_DENSE_PLANS = PlanCache("per_sample_dense", maxsize=1024)
+
+
+def dense_sq_norms(layers: Any, *, finish_scale: float | None = None) -> Any:
+    """``s[i] = sum_l ||g_l[i]||^2 (||a_l[i]||^2 + bias_l)``: the squared per-sample gradient
+    norms of Linear layers ``y = a W^T (+ b)`` with 2-D inputs, weight and bias together, summed
+    over the layers, without forming a per-sample gradient (``||dW_i||^2 = ||a_i||^2 ||g_i||^2``,
+    ``||db_i||^2 = ||g_i||^2``).
+
+    layers: a sequence of ``(a, g, bias)``: a (B, d_in) activations, g (B, d_out) output grads (the
+    grads of the pre-activation), bias a bool (the layer's bias is counted); every tensor of one
+    dtype (float16, bfloat16, float32, float64) and device, any strides (made contiguous).
+    finish_scale: return ``sqrt(finish_scale^2 * s)``, the norms of a loss scaled by it, instead.
+    Returns (B,) in float32 (float64 for float64). On CUDA: one launch per four layers (fixed-order
+    sums, bitwise reproducible), no sync.
+
+    See also: ``sum(a.square().sum(1) * g.square().sum(1) ...)``, :func:`linear_sq_norms` (one
+    layer, 3-D inputs too).
+    """
+    layers = tuple(layers)
+    if not layers:
+        raise ValueError("cukit.ops.per_sample.dense_sq_norms: layers must hold at least one (a, g, bias); got none")
+    a0 = layers[0][0]
+    if not a0.is_cuda:
+        _dense_check(layers)
+        return reference_dense_sq_norms(layers, finish_scale=finish_scale)
+    key = ("dense", finish_scale, *((a.shape, a.stride(), g.shape, g.stride(), a.dtype, g.dtype, a.device, g.device,
+                                     (a.data_ptr() | g.data_ptr()) & 15, bool(b)) for a, g, b in layers))
+    plan = _DENSE_PLANS.get(key)
+    if plan is None:
+        _dense_check(layers)
+        dense = Densify.needed([t for a, g, _ in layers for t in (a, g)], "torch")
+        if dense is not None:  # later calls copy the strided arrays and take the copies' plan
+            _DENSE_PLANS.put(key, dense)
+            return dense_sq_norms(_densified(dense, layers), finish_scale=finish_scale)
+        plan = _DENSE_PLANS.put(key, _dense_plan(layers, finish_scale))
+    elif plan.__class__ is Densify:
+        return dense_sq_norms(_densified(plan, layers), finish_scale=finish_scale)
+    out = a0.new_empty((a0.shape[0],), dtype=_acc(a0))
+    if not plan:
+        return out.zero_()
+    stream = current_stream(a0.get_device(), True)
+    for run, first in plan:
+        ptrs = [out.data_ptr()]
+        for a, g, _ in layers[first:first + _DENSE_LAYERS]:
+            ptrs += [a.data_ptr(), g.data_ptr()]
+        ptrs += [0] * (1 + 2 * _DENSE_LAYERS - len(ptrs))
+        run(tuple(ptrs), stream)
+    return out
+
+
+def _densified(dense: Densify, layers: tuple) -> tuple:
+    flat = dense.apply([t for a, g, _ in layers for t in (a, g)])
+    return tuple((flat[2 * i], flat[2 * i + 1], b) for i, (_, _, b) in enumerate(layers))
+
+
+def _dense_check(layers: tuple) -> None:
+    fn = "dense_sq_norms"
+    a0 = layers[0][0]
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, tuple) or len(layer) != 3:
+            raise TypeError(f"cukit.ops.per_sample.{fn}: layers[{i}] must be a tuple (a, g, bias); got {layer!r}")
+        a, g, b = layer
+        _check(fn, f"layers[{i}][0] (a)", a, ndim=2)
+        _check(fn, f"layers[{i}][1] (g)", g, ndim=2)
+        if not isinstance(b, bool):
+            raise TypeError(f"cukit.ops.per_sample.{fn}: layers[{i}][2] (bias) must be a bool; got {type(b).__name__}")
+        for name, t in (("a", a), ("g", g)):
+            if t.dtype != a0.dtype:
+                raise TypeError(f"cukit.ops.per_sample.{fn}: layers[{i}] {name} must have dtype {a0.dtype} "
+                                f"(layers[0]'s); got {t.dtype}")
+            if t.device != a0.device:
+                raise ValueError(f"cukit.ops.per_sample.{fn}: layers[{i}] {name} must be on {a0.device}; got {t.device}")
+            if t.shape[0] != a0.shape[0]:
+                raise ValueError(f"cukit.ops.per_sample.{fn}: layers[{i}] {name} must have {a0.shape[0]} rows "
+                                 f"(samples, layers[0]'s); got shape {tuple(t.shape)}")
+
+
+def _dense_plan(layers: tuple, finish_scale: float | None) -> list[tuple[Any, int]]:
+    """[(launch, first layer)] per group of four layers; [] when there are no rows."""
+    a0 = layers[0][0]
+    B = int(a0.shape[0])
+    if B == 0:
+        return []
+    device = a0.get_device()
+    v = 16 // a0.element_size()
+    vec = v if all(a.shape[1] % v == 0 and g.shape[1] % v == 0 and a.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0
+                   for a, g, _ in layers) else 1
+    grid = (min(B, sm_count(device) * _BLOCKS_PER_SM),)
+    plan = []
+    for first in range(0, len(layers), _DENSE_LAYERS):
+        group = layers[first:first + _DENSE_LAYERS]
+        dims: list[int] = []
+        for a, g, _ in group:
+            dims += [int(a.shape[1]), int(g.shape[1])]
+        dims += [0] * (2 * _DENSE_LAYERS - len(dims))
+        mask = sum(1 << i for i, (_, _, b) in enumerate(group) if b)
+        last = first + _DENSE_LAYERS >= len(layers)
+        finish = last and finish_scale is not None
+        tail = (B, *dims, len(group), mask, int(first > 0), int(finish), float(finish_scale or 1.0) ** 2)
+        plan.append((KERNELS.prepare(f"dense_ghost_norms<{_ctype(a0)}, {vec}>", grid, (_BLOCK,), tail, device=device),
+                     first))
+    return plan
+
+
+def reference_dense_sq_norms(layers: Any, *, finish_scale: float | None = None) -> Any:
+    """torch dense_sq_norms in the accumulation type (float32; float64 for float64)."""
+    s = None
+    for a, g, b in layers:
+        acc = _acc(a)
+        term = g.to(acc).square().sum(1) * (a.to(acc).square().sum(1) + float(b))
+        s = term if s is None else s + term
+    return s if finish_scale is None else (s * float(finish_scale) ** 2).sqrt()
 
 
 # ---------------------------------------------------------------------------------------------
