@@ -112,16 +112,32 @@ def _rows_as(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return v.reshape(v.shape[0], *p.shape)
 
 
+_PREACT_CHUNK_BYTES = 16 << 20  # rows of the pre-activation remade at once when G is large
+
+
 def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T)."""
+    """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T). A large G
+    that is the backward's own (contiguous, not a view) is overwritten with the result a chunk of
+    rows at a time: the whole pre-activation and a second output-sized buffer beside G would add
+    two layer outputs to the peak (G is not read again: the kinds keep the result)."""
     act = getattr(m, "activation", None)
     if act is None:
         return g
     from cukit.ops.bias_act import bias_act_backward
 
-    z = torch.matmul(_like(x, g), _like(weight_t, g))
-    b = _like(m.bias.detach(), g) if m.bias is not None else z.new_zeros(z.shape[-1])
-    return bias_act_backward(g.contiguous(), z.contiguous(), b, act)[0]
+    xg, wt = _like(x, g), _like(weight_t, g)
+    b = _like(m.bias.detach(), g) if m.bias is not None else g.new_zeros(g.shape[-1])
+    n_out = g.shape[-1]
+    rows = g.numel() // max(1, n_out)
+    step = max(1, _PREACT_CHUNK_BYTES // max(1, n_out * g.element_size()))
+    if rows <= step or not g.is_contiguous() or g._base is not None:
+        z = torch.matmul(xg, wt)
+        return bias_act_backward(g.contiguous(), z.contiguous(), b, act)[0]
+    x2, g2 = xg.reshape(rows, xg.shape[-1]), g.view(rows, n_out)
+    for i in range(0, rows, step):
+        gi = g2[i:i + step]
+        gi.copy_(bias_act_backward(gi, torch.matmul(x2[i:i + step], wt), b, act)[0])
+    return g
 
 
 class LinearKind(Kind):

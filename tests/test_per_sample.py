@@ -89,6 +89,28 @@ def test_cukit_linear_fused_activation(activation: str | None) -> None:
     check(m, x, torch.randn(4, 3, 5, dtype=F64))
 
 
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_cukit_linear_fused_activation_chunked_pre_activation(activation: str, monkeypatch: Any) -> None:
+    """A G larger than the chunk is overwritten with G * act'(z) a few rows at a time (rows not a
+    multiple of the chunk); a G that is a view or an expanded tensor is left alone."""
+    import cukit.per_sample as ps
+
+    monkeypatch.setattr(ps, "_PREACT_CHUNK_BYTES", 5 * 5 * 8)  # 5 rows of 5 float64
+    m = nn.Sequential(cnn.Linear(6, 5, activation=activation, dtype=F64), nn.Linear(5, 3, dtype=F64))
+    x = torch.randn(4, 3, 6, dtype=F64)
+    check(m, x, torch.randn(4, 3, 3, dtype=F64))
+    lin = m[0]
+    xs, g = torch.randn(12, 6, dtype=F64), torch.randn(12, 5, dtype=F64)
+    z = xs @ lin.weight.detach().t() + lin.bias.detach()
+    want = torch.func.vjp(lambda t: getattr(nn.functional, activation)(t), z)[1](g)[0]
+    torch.testing.assert_close(ps._pre_activation_grad(lin, xs, g.clone(), lin.weight.detach().t()), want)
+    ones = torch.ones(1, 1, dtype=F64).expand(12, 5)  # the grad of a .sum(): not written
+    out = ps._pre_activation_grad(lin, xs, ones, lin.weight.detach().t())
+    torch.testing.assert_close(out, torch.func.vjp(lambda t: getattr(nn.functional, activation)(t), z)[1](
+        torch.ones(12, 5, dtype=F64))[0])
+    assert torch.equal(ones, torch.ones(12, 5, dtype=F64))
+
+
 def test_conv1d_transposed_gpt2_style() -> None:
     m = cnn.Conv1D(5, 6, dtype=F64)  # nf=5 outputs, nx=6 inputs: y = x W + b, W (6, 5)
     check(m, torch.randn(3, 4, 6, dtype=F64), torch.randn(3, 4, 5, dtype=F64))
