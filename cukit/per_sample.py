@@ -119,7 +119,8 @@ def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_
     """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T). A large G
     that is the backward's own (contiguous, not a view) is overwritten with the result a chunk of
     rows at a time: the whole pre-activation and a second output-sized buffer beside G would add
-    two layer outputs to the peak (G is not read again: the kinds keep the result)."""
+    two layer outputs to the peak (G is not read again: the kinds keep the result). The backward
+hands G over as a view of its own buffer, so "its own" is G filling its whole storage."""
     act = getattr(m, "activation", None)
     if act is None:
         return g
@@ -130,7 +131,10 @@ def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_
     n_out = g.shape[-1]
     rows = g.numel() // max(1, n_out)
     step = max(1, _PREACT_CHUNK_BYTES // max(1, n_out * g.element_size()))
-    if rows <= step or not g.is_contiguous() or g._base is not None:
+    # written only where G fills its whole storage (a view of a larger buffer, an expanded grad or
+    # one of several grads sharing a buffer is not)
+    owns = g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    if rows <= step or not owns:
         z = torch.matmul(xg, wt)
         return bias_act_backward(g.contiguous(), z.contiguous(), b, act)[0]
     x2, g2 = xg.reshape(rows, xg.shape[-1]), g.view(rows, n_out)

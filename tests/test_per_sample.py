@@ -92,7 +92,7 @@ def test_cukit_linear_fused_activation(activation: str | None) -> None:
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_cukit_linear_fused_activation_chunked_pre_activation(activation: str, monkeypatch: Any) -> None:
     """A G larger than the chunk is overwritten with G * act'(z) a few rows at a time (rows not a
-    multiple of the chunk); a G that is a view or an expanded tensor is left alone."""
+    multiple of the chunk); a G that is part of a larger buffer or an expanded tensor is left alone."""
     import cukit.per_sample as ps
 
     monkeypatch.setattr(ps, "_PREACT_CHUNK_BYTES", 5 * 5 * 8)  # 5 rows of 5 float64
@@ -109,6 +109,11 @@ def test_cukit_linear_fused_activation_chunked_pre_activation(activation: str, m
     torch.testing.assert_close(out, torch.func.vjp(lambda t: getattr(nn.functional, activation)(t), z)[1](
         torch.ones(12, 5, dtype=F64))[0])
     assert torch.equal(ones, torch.ones(12, 5, dtype=F64))
+    big = torch.randn(13, 5, dtype=F64)
+    part, before = big[:12], big[:12].clone()  # contiguous, but not the whole buffer
+    torch.testing.assert_close(ps._pre_activation_grad(lin, xs, part, lin.weight.detach().t()),
+                               torch.func.vjp(lambda t: getattr(nn.functional, activation)(t), z)[1](before)[0])
+    assert torch.equal(part, before)  # untouched
 
 
 def test_conv1d_transposed_gpt2_style() -> None:
