@@ -732,6 +732,23 @@ def test_gpu_dense_sq_norms(dtype: Any, dims: list, B: int) -> None:
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_chunked_pre_activation_grad(dtype: Any, monkeypatch: Any) -> None:
+    import cukit.per_sample as ps
+
+    monkeypatch.setattr(ps, "_PREACT_CHUNK_BYTES", 7 * 48 * 4)
+    lin = cnn.Linear(32, 48, activation="gelu", device="cuda", dtype=dtype)
+    xs, g = torch.randn(100, 32, device="cuda", dtype=dtype), torch.randn(100, 48, device="cuda", dtype=dtype)
+    z = (xs.float() @ lin.weight.detach().float().t() + lin.bias.detach().float())
+    want = torch.func.vjp(nn.functional.gelu, z)[1](g.float())[0]
+    got = ps._pre_activation_grad(lin, xs, g, lin.weight.detach().t())
+    assert got.data_ptr() == g.data_ptr()  # in place
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@gpu
+@needs_cuda
 def test_gpu_dense_sq_norms_plan_cache() -> None:
     layers = _dense_layers(32, [(16, 8), (8, 4)], torch.float32, "cuda")
     ops.dense_sq_norms(layers)
