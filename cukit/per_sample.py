@@ -117,10 +117,10 @@ _PREACT_CHUNK_BYTES = 16 << 20  # rows of the pre-activation remade at once when
 
 def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T). A large G
-    that is the backward's own (contiguous, not a view) is overwritten with the result a chunk of
-    rows at a time: the whole pre-activation and a second output-sized buffer beside G would add
-    two layer outputs to the peak (G is not read again: the kinds keep the result). The backward
-hands G over as a view of its own buffer, so "its own" is G filling its whole storage."""
+    that fills its whole storage (the backward hands G over as a view of its own buffer) is
+    overwritten with the result a chunk of rows at a time: the whole pre-activation and a second
+    output-sized buffer beside G would add two layer outputs to the peak (G is not read again: the
+    kinds keep the result)."""
     act = getattr(m, "activation", None)
     if act is None:
         return g
