@@ -5,6 +5,8 @@
 //   row_sumsq_partial / row_sum_reduce   s[i] = sum_j x[i, j]^2 (or x[i, j] y[i, j]): ghost norms
 //   sum_t                                out[i, c] = sum_t g[i, t, c] (* x[i, t, c]): per-sample
 //                                        bias and norm-weight grads
+//   outer_rows                           out[b] = g[b]^T a[b]: per-sample Linear weight grads of
+//                                        2-D inputs
 //   dense_ghost_norms                    the ghost norms of several Linear layers with 2-D inputs
 //                                        in one launch
 //   clip_factors                         norm = sqrt(s), f = min(1, C / (norm + 1e-6))
@@ -85,6 +87,39 @@ __global__ void row_sum_reduce(const A* __restrict__ partial, A* __restrict__ ou
   A s = A(0);
   for (long long k = 0; k < splits; ++k) s += partial[i * splits + k];
   out[i] = s;
+}
+
+// out[b, i, :] = g[b, i] * a[b, :] for a (B, n), g (B, m): the per-sample weight grads of a Linear
+// with 2-D inputs (dW_b = g_b^T a_b), each product in acc_t<T> and rounded once. Bound by its
+// writes (B m n elements against B (m + n) read): threads run along a row's VEC-wide column groups
+// (grid.x covers n), and a thread loads its vector of a_b once per tile of kOuterRows rows i and
+// writes one vector per row (grid.y strides over B x row tiles).
+constexpr int kOuterRows = 16;
+
+template <typename T, int VEC>
+__global__ void outer_rows(const T* __restrict__ g, const T* __restrict__ a, T* __restrict__ out, long long B,
+                           long long m, long long n) {
+  using A = acc_t<T>;
+  const long long j = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
+  if (j >= n) return;  // no barriers below
+  const long long tiles = (m + kOuterRows - 1) / kOuterRows;
+  for (long long t = blockIdx.y; t < B * tiles; t += gridDim.y) {
+    const long long b = t / tiles, i0 = (t - b * tiles) * kOuterRows;
+    const Vec<T, VEC> av = load_vec<T, VEC>(a + b * n + j);
+    A af[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) af[k] = to_acc<A>(av.v[k]);
+    const long long i1 = min(m, i0 + kOuterRows);
+    const T* gb = g + b * m;
+    T* ob = out + b * m * n + j;
+    for (long long i = i0; i < i1; ++i) {
+      const A gi = to_acc<A>(gb[i]);
+      Vec<T, VEC> o;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o.v[k] = from_acc<T>(gi * af[k]);
+      stg_vec<T, VEC>(ob + i * n, o);
+    }
+  }
 }
 
 // Ghost norms of up to kDenseLayers Linear layers y = a W^T (+ b) with 2-D inputs, in one launch:

@@ -749,6 +749,25 @@ def test_gpu_chunked_pre_activation_grad(dtype: Any, monkeypatch: Any) -> None:
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, m, n", [(256, 512, 784), (3, 17, 5), (1, 1, 1), (5, 33, 4097), (0, 4, 8), (4, 0, 8),
+                                     (70, 3, 40)])
+def test_gpu_linear_grads_outer_rows(dtype: Any, B: int, m: int, n: int) -> None:
+    """2-D inputs: per-sample weight grads g_b^T a_b in one launch; each product rounded once, as
+    torch's multiply; strided and misaligned inputs."""
+    a, g = torch.randn(B, n, device="cuda").to(dtype), torch.randn(B, m, device="cuda").to(dtype)
+    want = g[:, :, None] * a[:, None, :]
+    got = ops.linear_grads(a, g)
+    assert got.shape == (B, m, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    a2 = torch.randn(B, n + 1, device="cuda").to(dtype)[:, 1:]  # misaligned rows: the scalar path
+    g2 = torch.randn(m, B, device="cuda").to(dtype).t()  # strided: copied
+    torch.testing.assert_close(ops.linear_grads(a2, g2), g2[:, :, None] * a2[:, None, :], rtol=0, atol=0)
+    torch.testing.assert_close(ops.linear_grads(a2, g2), g2[:, :, None] * a2[:, None, :], rtol=0, atol=0)  # cached
+
+
+@gpu
+@needs_cuda
 def test_gpu_dense_sq_norms_plan_cache() -> None:
     layers = _dense_layers(32, [(16, 8), (8, 4)], torch.float32, "cuda")
     ops.dense_sq_norms(layers)

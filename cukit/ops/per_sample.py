@@ -89,6 +89,7 @@ def _instantiations() -> dict[str, list[str]]:
             exprs += [f"sum_t<{t}, {o}, {prod}, {v}>" for o in outs for prod in ("false", "true")]
             exprs.append(f"scale_rows<{t}, {v}>")
             exprs.append(f"dense_ghost_norms<{t}, {v}>")
+            exprs.append(f"outer_rows<{t}, {v}>")
             exprs.append(f"weighted_sum_partial<{t}, {v}>")
         exprs += [f"weighted_sum_reduce<{a}, {o}>" for o in outs if o != a]
         groups[name] = exprs
@@ -110,6 +111,7 @@ KERNELS = KernelModule(
         "row_sum_reduce": "ptr ptr i64 i64",
         "sum_t": "ptr ptr ptr i64 i64 i64",
         "clip_factors": "ptr ptr ptr f64 i64",
+        "outer_rows": "ptr ptr ptr i64 i64 i64",
         "dense_ghost_norms": "ptr" + " ptr ptr" * 4 + " i64" + " i64 i64" * 4 + " i32 i32 i32 i32 f64",
         "scale_rows": "ptr ptr ptr i64 i64",
         "weighted_sum_partial": "ptr ptr ptr i64 i64 i64",
@@ -561,11 +563,51 @@ def linear_grads(a: Any, g: Any) -> Any:
     a3, g3 = _as_3d(a), _as_3d(g)
     if not a.is_cuda:
         return reference_linear_grads(a3, g3)
-    if a3.shape[1] == 1:  # an outer product per sample: memory-bound, a GEMM with K = 1 gains nothing
-        return g3.transpose(1, 2) * a3
+    if a3.shape[1] == 1:  # an outer product per sample: bound by its writes, a GEMM with K = 1 gains nothing
+        return _outer_rows(g3.reshape(g3.shape[0], -1), a3.reshape(a3.shape[0], -1))
     from cukit.ops.matmul import batch_matmul
 
     return batch_matmul(g3.transpose(1, 2), a3, precision="ieee")
+
+
+_OUTER_ROWS = 16  # kOuterRows in per_sample.cu
+
+
+def _outer_rows(g: Any, a: Any) -> Any:
+    """``out[b] = g[b]^T a[b]`` (B, m, n) from g (B, m) and a (B, n) of one dtype and device (CUDA):
+    one launch bound by its writes (``outer_rows``); strided inputs are copied."""
+    key = _key("outer", g, a, extra=(g.stride(), a.stride()))
+    plan = _SMALL_PLANS.get(key)
+    if plan is None:
+        _check("linear_grads", "g", g, ndim=2)
+        _check_like("linear_grads", "a", a, g, shape=False)
+        if a.shape[0] != g.shape[0]:
+            raise ValueError(f"cukit.ops.per_sample.linear_grads: a must have {g.shape[0]} rows (g's); got shape "
+                             f"{tuple(a.shape)}")
+        dense = Densify.needed((g, a), "torch")
+        plan = _SMALL_PLANS.put(key, dense if dense is not None else _outer_plan(g, a))
+    if plan.__class__ is Densify:
+        return _outer_rows(*plan.apply((g, a)))
+    B, m, n = g.shape[0], g.shape[1], a.shape[1]
+    out = g.new_empty((B, m, n))
+    if plan is not _EMPTY:
+        plan((g.data_ptr(), a.data_ptr(), out.data_ptr()), current_stream(g.get_device(), True))
+    return out
+
+
+def _outer_plan(g: Any, a: Any) -> Any:
+    B, m, n = (int(s) for s in (g.shape[0], g.shape[1], a.shape[1]))
+    if B == 0 or m == 0 or n == 0:
+        return _EMPTY
+    device = g.get_device()
+    vec = _vec(a.element_size(), n, a)
+    nvec = -(-n // vec)
+    threads = min(_BLOCK, -(-nvec // 32) * 32)
+    col_blocks = -(-nvec // threads)
+    work = B * -(-m // _OUTER_ROWS)
+    row_blocks = max(1, min(work, -(-sm_count(device) * _BLOCKS_PER_SM * 4 // col_blocks), _GRID_Y_MAX))
+    return KERNELS.prepare(f"outer_rows<{_ctype(g)}, {vec}>", (col_blocks, row_blocks), (threads,), (B, m, n),
+                           device=device)
 
 
 def reference_linear_grads(a: Any, g: Any) -> Any:
