@@ -115,32 +115,45 @@ def _rows_as(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 _PREACT_CHUNK_BYTES = 16 << 20  # rows of the pre-activation remade at once when G is large
 
 
+def _act_backward(act: str, g: torch.Tensor, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = g * act'(z) for cukit's activations, by torch's own derivative kernels (one
+    elementwise pass; ``out`` may be g itself)."""
+    aten = torch.ops.aten
+    if act == "relu":
+        return aten.threshold_backward.grad_input(g, z, 0, grad_input=out)
+    if act == "silu":
+        return aten.silu_backward.grad_input(g, z, grad_input=out)
+    return aten.gelu_backward.grad_input(g, z, approximate="tanh" if act == "gelu_tanh" else "none", grad_input=out)
+
+
 def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T). A large G
-    that fills its whole storage (the backward hands G over as a view of its own buffer) is
-    overwritten with the result a chunk of rows at a time: the whole pre-activation and a second
-    output-sized buffer beside G would add two layer outputs to the peak (G is not read again: the
-    kinds keep the result)."""
+    """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T + b, the
+    bias in the GEMM's epilogue, then one elementwise pass). A large G that fills its whole
+    storage (the backward hands G over as a view of its own buffer) is overwritten with the result
+    a chunk of rows at a time: the whole pre-activation beside G and a second output-sized buffer
+    would add two layer outputs to the peak (G is not read again: the kinds keep the result)."""
     act = getattr(m, "activation", None)
     if act is None:
         return g
-    from cukit.ops.bias_act import bias_act_backward
-
     xg, wt = _like(x, g), _like(weight_t, g)
-    b = _like(m.bias.detach(), g) if m.bias is not None else g.new_zeros(g.shape[-1])
+    b = _like(m.bias.detach(), g) if m.bias is not None else None
     n_out = g.shape[-1]
     rows = g.numel() // max(1, n_out)
+    x2 = xg.reshape(rows, xg.shape[-1])
+
+    def pre(lo: int, hi: int) -> torch.Tensor:
+        return torch.matmul(x2[lo:hi], wt) if b is None else torch.addmm(b, x2[lo:hi], wt)
+
     step = max(1, _PREACT_CHUNK_BYTES // max(1, n_out * g.element_size()))
-    # written only where G fills its whole storage (a view of a larger buffer, an expanded grad or
-    # one of several grads sharing a buffer is not)
     owns = g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size()
     if rows <= step or not owns:
-        z = torch.matmul(xg, wt)
-        return bias_act_backward(g.contiguous(), z.contiguous(), b, act)[0]
-    x2, g2 = xg.reshape(rows, xg.shape[-1]), g.view(rows, n_out)
-    for i in range(0, rows, step):
-        gi = g2[i:i + step]
-        gi.copy_(bias_act_backward(gi, torch.matmul(x2[i:i + step], wt), b, act)[0])
+        g2 = g.reshape(rows, n_out)
+        return _act_backward(act, g2, pre(0, rows), torch.empty_like(g2, memory_format=torch.contiguous_format)
+                             ).view(g.shape)
+    g2 = g.view(rows, n_out)
+    for lo in range(0, rows, step):
+        gi = g2[lo:lo + step]
+        _act_backward(act, gi, pre(lo, lo + step), gi)
     return g
 
 
