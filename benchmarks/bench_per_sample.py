@@ -31,6 +31,7 @@ same code on the CPU with batch 8 (numbers mean nothing) so the code paths are t
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -160,11 +161,22 @@ def run_model(b: Bench, name: str, dtype_name: str) -> None:
     ours = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     vmap_dp_step(model, x, y, C, 0.0, None)
-    err_dp = max(rel_err(ours[k] / x.shape[0], p.grad) for k, p in model.named_parameters())
+    theirs = {k: p.grad.clone() for k, p in model.named_parameters()}
+    # the clipped sum of a 16-bit model cancels across samples, so both sides' roundings show at
+    # the few-percent level: each is judged against float64 maths on the same weights, and cukit
+    # may be at most twice torch.func's own error (or within tol)
+    m64 = copy.deepcopy(model).double()
+    m64.zero_grad(set_to_none=True)
+    vmap_dp_step(m64, x.double(), y, C, 0.0, None)
+    exact = {k: p.grad for k, p in m64.named_parameters()}
+    err_dp = max(rel_err(ours[k] / x.shape[0], exact[k]) for k in exact)
+    dp_tol = max(tol, 2 * max(rel_err(theirs[k], exact[k]) for k in exact))
+    del m64, exact, theirs
     errs = {"cukit grads": err_grads, "cukit norms": err_norms, "cukit dp step": err_dp}
-    bad = {k: v for k, v in errs.items() if not v <= tol}
+    tols = {"cukit dp step": dp_tol}
+    bad = {k: v for k, v in errs.items() if not v <= tols.get(k, tol)}
     if bad:
-        raise AssertionError(f"validation failed (tolerance {tol:g}): {bad}")
+        raise AssertionError(f"validation failed (tolerance {tol:g}; dp step {dp_tol:.3g}): {bad}")
     del ref, got, ours
 
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
