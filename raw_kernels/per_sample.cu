@@ -33,19 +33,12 @@ using namespace cukit;
 // output itself and pass 2 is skipped. VEC > 1 only when n % VEC == 0, chunk % VEC == 0 and the
 // pointers are 16-byte aligned, so every row start is aligned. Four vectors per thread are loaded
 // before any is used: enough bytes in flight per SM to cover DRAM latency.
-template <typename T, bool TWO, int VEC>
-__global__ void row_sumsq_partial(const T* __restrict__ x, const T* __restrict__ y, acc_t<T>* __restrict__ partial,
-                                  long long rows, long long n, long long chunk, long long splits) {
+// This thread's share of sum_{begin <= j < end} x[j]^2 (TWO: x[j] y[j]) over a block's threads:
+// VEC-wide vectors strided by the block, U of them loaded before any is used (bytes in flight).
+template <typename T, bool TWO, int VEC, int U>
+__device__ __forceinline__ acc_t<T> range_sumsq(const T* __restrict__ x, const T* __restrict__ y, long long begin,
+                                                long long end) {
   using A = acc_t<T>;
-  __shared__ A smem[32];
-  // rows beyond gridDim.y (65535) loop; the bound is uniform over the block, so the barriers in
-  // block_sum are reached by every thread
-  for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
-  const long long begin = static_cast<long long>(blockIdx.x) * chunk;
-  const long long end = min(n, begin + chunk);
-  const T* xr = x + row * n;
-  const T* yr = TWO ? y + row * n : nullptr;
-  constexpr int U = 4;
   const long long step = static_cast<long long>(blockDim.x) * VEC;
   A acc = A(0);
   for (long long j0 = begin + static_cast<long long>(threadIdx.x) * VEC; j0 < end; j0 += step * U) {
@@ -54,8 +47,8 @@ __global__ void row_sumsq_partial(const T* __restrict__ x, const T* __restrict__
     for (int u = 0; u < U; ++u) {
       const long long j = j0 + u * step;
       if (j < end) {
-        xv[u] = load_vec<T, VEC>(xr + j);
-        if constexpr (TWO) yv[u] = load_vec<T, VEC>(yr + j);
+        xv[u] = load_vec<T, VEC>(x + j);
+        if constexpr (TWO) yv[u] = load_vec<T, VEC>(y + j);
       }
     }
 #pragma unroll
@@ -73,6 +66,20 @@ __global__ void row_sumsq_partial(const T* __restrict__ x, const T* __restrict__
       }
     }
   }
+  return acc;
+}
+
+template <typename T, bool TWO, int VEC>
+__global__ void row_sumsq_partial(const T* __restrict__ x, const T* __restrict__ y, acc_t<T>* __restrict__ partial,
+                                  long long rows, long long n, long long chunk, long long splits) {
+  using A = acc_t<T>;
+  __shared__ A smem[32];
+  // rows beyond gridDim.y (65535) loop; the bound is uniform over the block, so the barriers in
+  // block_sum are reached by every thread
+  for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
+  const long long begin = static_cast<long long>(blockIdx.x) * chunk;
+  const long long end = min(n, begin + chunk);
+  const A acc = range_sumsq<T, TWO, VEC, 4>(x + row * n, TWO ? y + row * n : nullptr, begin, end);
   const A s = block_sum(acc, smem);
   if (threadIdx.x == 0) partial[row * splits + blockIdx.x] = s;
   __syncthreads();  // smem is rewritten by the next row
@@ -132,32 +139,6 @@ __global__ void outer_rows(const T* __restrict__ g, const T* __restrict__ a, T* 
 constexpr int kDenseLayers = 4;
 
 template <typename T, int VEC>
-__device__ __forceinline__ acc_t<T> row_sumsq(const T* __restrict__ r, long long n) {
-  using A = acc_t<T>;
-  constexpr int U = 2;
-  const long long step = static_cast<long long>(blockDim.x) * VEC;
-  A acc = A(0);
-  for (long long j0 = static_cast<long long>(threadIdx.x) * VEC; j0 < n; j0 += step * U) {
-    Vec<T, VEC> v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (j0 + u * step < n) v[u] = load_vec<T, VEC>(r + j0 + u * step);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (j0 + u * step < n) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const A x = to_acc<A>(v[u].v[k]);
-          acc += x * x;
-        }
-      }
-    }
-  }
-  return acc;
-}
-
-template <typename T, int VEC>
 __global__ void dense_ghost_norms(acc_t<T>* __restrict__ out, const T* a0, const T* g0, const T* a1, const T* g1,
                                   const T* a2, const T* g2, const T* a3, const T* g3, long long rows,
                                   long long na0, long long ng0, long long na1, long long ng1, long long na2,
@@ -175,8 +156,8 @@ __global__ void dense_ghost_norms(acc_t<T>* __restrict__ out, const T* a0, const
 #pragma unroll
     for (int l = 0; l < kDenseLayers; ++l) {
       if (l < layers) {
-        const A sa = block_sum(row_sumsq<T, VEC>(as[l] + row * nas[l], nas[l]), smem);
-        const A sg = block_sum(row_sumsq<T, VEC>(gs[l] + row * ngs[l], ngs[l]), smem);
+        const A sa = block_sum(range_sumsq<T, false, VEC, 2>(as[l] + row * nas[l], nullptr, 0, nas[l]), smem);
+        const A sg = block_sum(range_sumsq<T, false, VEC, 2>(gs[l] + row * ngs[l], nullptr, 0, ngs[l]), smem);
         s += sg * (sa + static_cast<A>((bias_mask >> l) & 1));
       }
     }
