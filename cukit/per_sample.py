@@ -117,7 +117,7 @@ _PREACT_CHUNK_BYTES = 16 << 20  # rows of the pre-activation remade at once when
 
 def _act_backward(act: str, g: torch.Tensor, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = g * act'(z) for cukit's activations, by torch's own derivative kernels (one
-    elementwise pass; ``out`` may be g itself)."""
+    elementwise pass; ``out`` may be g or z itself: each element is read before it is written)."""
     aten = torch.ops.aten
     if act == "relu":
         return aten.threshold_backward.grad_input(g, z, 0, grad_input=out)
@@ -147,9 +147,8 @@ def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_
     step = max(1, _PREACT_CHUNK_BYTES // max(1, n_out * g.element_size()))
     owns = g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size()
     if rows <= step or not owns:
-        g2 = g.reshape(rows, n_out)
-        return _act_backward(act, g2, pre(0, rows), torch.empty_like(g2, memory_format=torch.contiguous_format)
-                             ).view(g.shape)
+        z = pre(0, rows)
+        return _act_backward(act, g.reshape(rows, n_out), z, z).view(g.shape)  # over z: it is ours
     g2 = g.view(rows, n_out)
     for lo in range(0, rows, step):
         gi = g2[lo:lo + step]
@@ -251,10 +250,11 @@ class ConvKind(Kind):
         ks = (1, *m.kernel_size) if one_d else tuple(m.kernel_size)
         st = (1, *m.stride) if one_d else tuple(m.stride)
         dil = (1, *m.dilation) if one_d else tuple(m.dilation)
-        if getattr(m, "activation", None) is not None:
-            z = F.conv2d(_pad_input(m, _like(x, g), one_d, ks, dil), _like(m.weight.detach(), g), None, st, 0, dil,
+        if getattr(m, "activation", None) is not None:  # G * act'(z), z remade with its bias
+            b = _like(m.bias.detach(), g) if m.bias is not None else None
+            z = F.conv2d(_pad_input(m, _like(x, g), one_d, ks, dil), _like(m.weight.detach(), g), b, st, 0, dil,
                          m.groups)
-            g = _pre_activation_grad_conv(m, z, g)
+            g = _act_backward(m.activation, g, z, z)
         if m.padding_mode == "zeros":  # the kernels read past the input as zeros: no padded copy
             pad = _zero_pads(m, one_d, ks, dil)
         else:
@@ -324,15 +324,6 @@ def _pad_input(m: nn.Module, x: torch.Tensor, one_d: bool, ks: tuple, dil: tuple
     if one_d and mode != "constant":  # reflect/replicate/circular on the W axis only
         return F.pad(x.squeeze(2), pads[:2], mode=mode).unsqueeze(2)
     return F.pad(x, pads, mode=mode)
-
-
-def _pre_activation_grad_conv(m: nn.Module, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    from cukit.ops.bias_act import bias_act_backward
-
-    b = m.bias.detach() if m.bias is not None else z.new_zeros(z.shape[1])
-    zc = z.movedim(1, -1).contiguous()
-    gz = bias_act_backward(g.movedim(1, -1).contiguous(), zc, b, m.activation)[0]
-    return gz.movedim(-1, 1)
 
 
 class EmbeddingKind(Kind):
