@@ -228,6 +228,36 @@ def test_eager_path_choice():
         assert reg.eager_path(x) == reg.DISPATCH
 
 
+@pytest.mark.parametrize("device", devices())
+def test_no_zero_filled_gradients_for_non_differentiable_outputs(device, monkeypatch):
+    """A norm's statistics (rstd, mean) are outputs marked non-differentiable: their backward
+    formula gets None for them, not a zero tensor allocated and filled on every backward."""
+    import cukit.torch.norm as tn
+
+    seen: list = []
+    for op in (tn.RMS_NORM, tn.LAYER_NORM):
+        fn = op.Function
+        orig = fn.backward
+
+        def spy(ctx, *grads, _orig=orig):
+            seen.append(grads[1:])
+            return _orig(ctx, *grads)
+
+        monkeypatch.setattr(fn, "backward", staticmethod(spy))
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    cukit.rms_norm(x, w).sum().backward()
+    cukit.layer_norm(x, None, w, b).sum().backward()
+    assert seen == [(None,), (None, None)]
+    # the gradients are still right
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    g = torch.randn(4, 8, device=device)
+    cukit.rms_norm(xs[0], w.detach(), 1e-6).backward(g)
+    F.rms_norm(xs[1], (8,), w.detach(), 1e-6).backward(g)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-5)
+
+
 def test_every_op_registered_through_the_helper():
     import cukit.torch.bias_act as tb
     import cukit.torch.matmul as tm

@@ -223,6 +223,10 @@ class TorchOp:
             def forward(ctx: Any, *args: Any) -> Any:
                 out = impl(*args)
                 setup_context(ctx, args, out)
+                # the backward formulas ignore the gradients of outputs marked non-differentiable
+                # (a norm's statistics): None, not a zero-filled tensor allocated and launched for
+                # each one per backward (torch.library's own autograd does the same)
+                ctx._materialize_non_diff_grads = False
                 return out
 
             self.Function: type[torch.autograd.Function] = type(
@@ -237,9 +241,13 @@ class TorchOp:
             # the C-level apply: Function.apply's Python wrapper only adds functorch handling,
             # which the FUNCTION path never needs (FUNCTORCH takes FunctorchFunction)
             self._function_apply = super(torch.autograd.Function, self.Function).apply  # type: ignore[misc]
+            def functorch_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+                setup_context(ctx, inputs, output)
+                ctx._materialize_non_diff_grads = False
+
             members: dict[str, Any] = {
                 "forward": staticmethod(impl),
-                "setup_context": staticmethod(setup_context),
+                "setup_context": staticmethod(functorch_setup),
                 "backward": staticmethod(backward),
                 "__doc__": f"cukit::{name} under functorch transforms (the op's own formulas and vmap rule).",
             }
