@@ -7,7 +7,11 @@ How it works (one forward, one backward pass, no parameter gradients computed by
    input (activations) and the gradient edge of its output (``torch.autograd.graph.get_gradient_edge``,
    taken before any in-place op on the output, so an in-place ReLU after a Linear is fine).
 2. One ``torch.autograd.grad(loss, edges)`` gives every recorded output's gradient G. The engine
-   stops at those edges: no weight-gradient GEMM runs in this pass.
+   stops at those edges: no weight-gradient GEMM runs in this pass. Norms and per-sample grads
+   ask it only for the layers no other recorded layer leads to, and take every other layer's G
+   from a hook on its output's node as the pass reaches it, forming that layer's part at once:
+   the G of a few layers are alive at a time, as in a plain backward pass (a DP step keeps them
+   all: its clipped sums need the norms of every layer first).
 3. Per layer kind, per-sample grads / ghost norms / clipped sums are formed from (A, G) by the
    array-level ops of ``cukit.ops.per_sample`` (kernels on CUDA, torch references on the CPU).
 
@@ -72,6 +76,10 @@ class Call:
     # the output grad (a tensor; a tuple aligned with positions for the fallback); None: unused
     grad: Any = None
     cache: dict[str, Any] = field(default_factory=dict)  # what a kind derives once per call
+    roots: tuple[Any, ...] = ()  # the autograd nodes of the call's inputs (where its backward goes on)
+    # G is autograd's own buffer, handed to a hook while the backward still runs (it may alias the
+    # gradient flowing on): read it, never write over it
+    borrowed: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,12 +134,14 @@ def _act_backward(act: str, g: torch.Tensor, z: torch.Tensor, out: torch.Tensor)
     return aten.gelu_backward.grad_input(g, z, approximate="tanh" if act == "gelu_tanh" else "none", grad_input=out)
 
 
-def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_t: torch.Tensor,
+                         borrowed: bool = False) -> torch.Tensor:
     """G * act'(x W^T + b) for a cukit layer with a fused activation (one extra x W^T + b, the
     bias in the GEMM's epilogue, then one elementwise pass). A large G that fills its whole
     storage (the backward hands G over as a view of its own buffer) is overwritten with the result
     a chunk of rows at a time: the whole pre-activation beside G and a second output-sized buffer
-    would add two layer outputs to the peak (G is not read again: the kinds keep the result)."""
+    would add two layer outputs to the peak (G is not read again: the kinds keep the result).
+    borrowed: G belongs to a backward still running (never written over)."""
     act = getattr(m, "activation", None)
     if act is None:
         return g
@@ -145,7 +155,7 @@ def _pre_activation_grad(m: nn.Module, x: torch.Tensor, g: torch.Tensor, weight_
         return torch.matmul(x2[lo:hi], wt) if b is None else torch.addmm(b, x2[lo:hi], wt)
 
     step = max(1, _PREACT_CHUNK_BYTES // max(1, n_out * g.element_size()))
-    owns = g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    owns = not borrowed and g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size()
     if rows <= step or not owns:
         z = pre(0, rows)
         return _act_backward(act, g.reshape(rows, n_out), z, z).view(g.shape)  # over z: it is ours
@@ -169,7 +179,7 @@ class LinearKind(Kind):
         ag = c.cache.get("ag")
         if ag is None:
             w = c.module.weight.detach()
-            g = _pre_activation_grad(c.module, c.saved, g, w if self.transposed else w.t())
+            g = _pre_activation_grad(c.module, c.saved, g, w if self.transposed else w.t(), c.borrowed)
             ag = c.cache["ag"] = (_like(c.saved, g), g)
         return ag
 
@@ -538,6 +548,7 @@ class Capture:
     names: dict[int, str] = field(default_factory=dict)  # id(trainable parameter) -> model's name for it
     any_float64: bool = False  # some parameter is float64: norms are float64
     device: torch.device | None = None  # the first parameter's device (None: no parameters)
+    consumer: Any = None  # what took the output grads during the backward (see run)
 
 
 @contextmanager
@@ -556,7 +567,10 @@ def capture(model: nn.Module) -> Iterator[Capture]:
         ts = tuple(t) if isinstance(t, (tuple, list)) else (t,)
         pos = tuple(i for i, o in enumerate(ts) if isinstance(o, torch.Tensor) and o.grad_fn is not None)
         if pos:
-            cap.calls.append(Call(m, kind, saved, [get_gradient_edge(ts[i]) for i in pos], params, pos))
+            roots = tuple(a.grad_fn for a in (*args, *kwargs.values())
+                          if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+            cap.calls.append(Call(m, kind, saved, [get_gradient_edge(ts[i]) for i in pos], params, pos,
+                                  roots=roots))
 
     try:
         # one walk (named_parameters() per module and for the model would each walk it again: the
@@ -603,10 +617,18 @@ def _check_reduction(loss_reduction: str, fn: str) -> None:
         raise ValueError(f"{fn}: loss_reduction must be 'sum' or 'mean'; got {loss_reduction!r}")
 
 
-def run(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, loss_reduction: str, fn: str
-        ) -> tuple[torch.Tensor, Capture, int, float]:
+Consume = Callable[[Call, Any], bool]
+
+
+def run(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, loss_reduction: str, fn: str,
+        consumer: Callable[[Capture], Consume] | None = None) -> tuple[torch.Tensor, Capture, int, float]:
     """Forward with capture, the loss, one backward pass to the recorded edges. Returns (loss,
-    capture with each call's output grad, batch size, the per-sample scale: B for a mean loss)."""
+    capture with each call's output grad, batch size, the per-sample scale: B for a mean loss).
+
+    consumer: when given, ``consume = consumer(capture)`` is made after the forward (kept as
+    ``capture.consumer``), and each call's output grad G is handed to ``consume(call, G)`` as soon
+    as the backward has it (see :func:`_streamed`), kept on the call only where it returns False:
+    no more than a few layers' G are alive at once, as in a plain backward pass."""
     _check_reduction(loss_reduction, fn)
     args = _as_args(inputs)
     B = _batch_size(args)
@@ -617,13 +639,97 @@ def run(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, loss_reduc
         raise ValueError(f"{fn}: loss_fn must return a scalar tensor (a sum or mean over samples); got "
                          f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
     _attach_orphans(model, cap, loss, fn)
+    consume = None
+    if consumer is not None:
+        consume = cap.consumer = consumer(cap)
     if cap.calls:
-        grads = iter(torch.autograd.grad(loss, [e for c in cap.calls for e in c.edges], allow_unused=True))
-        for c in cap.calls:
+        wanted, handles = (cap.calls, []) if consume is None else _streamed(cap, consume)
+        try:
+            grads = iter(torch.autograd.grad(loss, [e for c in wanted for e in c.edges], allow_unused=True))
+        finally:
+            for h in handles:
+                h.remove()
+        for c in wanted:
             gs = tuple(next(grads) for _ in c.edges)
             if any(g is not None for g in gs):
-                c.grad = gs if isinstance(c.kind, FallbackKind) else gs[0]
+                g = gs if isinstance(c.kind, FallbackKind) else gs[0]
+                if consume is None or not consume(c, g):
+                    c.grad = g
+                else:
+                    _release(c)
     return loss.detach(), cap, B, float(B) if loss_reduction == "mean" else 1.0
+
+
+def _release(c: Call) -> None:
+    """Drop what a consumed call kept: its saved input (a layer's activations, which autograd
+    frees once the layer below no longer needs them) and what its kind derived."""
+    c.saved = None
+    c.cache.clear()
+
+
+def _streamed(cap: Capture, consume: Consume) -> tuple[list[Call], list[Any]]:
+    """The calls whose G the backward must return, and hooks that hand every other call's G to
+    `consume` while the backward runs.
+
+    A call's G reaches a hook on its output's autograd node (run after that node: G is then
+    ``borrowed``) when the node is sure to run: some path from the call's inputs leads to another
+    call's output node, which itself runs or is returned. Each returned edge is a source of the
+    layer graph (the first layer, a branch fed by the data alone, a fallback call); everything
+    between them runs anyway, and computes no parameter gradients: autograd evaluates only what
+    leads to the requested edges."""
+    targets = {id(e.node) for c in cap.calls for e in c.edges}  # the edges keep these nodes alive
+    memo: dict[int, tuple[Any, bool]] = {}
+    wanted: list[Call] = []
+    handles: list[Any] = []
+    for c in cap.calls:
+        if isinstance(c.kind, FallbackKind) or len(c.edges) != 1 or not _reaches(c.roots, targets, memo):
+            wanted.append(c)
+            continue
+        edge = c.edges[0]
+
+        def hook(_gin: Any, gout: tuple, c: Call = c, nr: int = edge.output_nr) -> None:
+            g = gout[nr]
+            if g is not None:
+                c.borrowed = True  # also when kept: another call's G may be a view of it
+                if consume(c, g):
+                    _release(c)
+                else:
+                    c.grad = g
+
+        handles.append(edge.node.register_hook(hook))
+    return wanted, handles
+
+
+def _reaches(roots: Sequence[Any], targets: set[int], memo: dict[int, tuple[Any, bool]]) -> bool:
+    """Whether a path from any of the autograd nodes `roots` leads to a node in `targets` (ids of
+    node objects the caller keeps alive). Depth-first, each node's answer remembered across the
+    calls of one backward (the walks of successive layers stop at the previous layer's output
+    node). The memo keeps every node it answers for: torch may hand out a new wrapper object per
+    visit and free the last, whose id a different node's wrapper could then reuse."""
+    for root in roots:
+        k = id(root)
+        if k in targets or memo.get(k, (None, False))[1]:
+            return True
+        if k in memo:
+            continue
+        stack = [(root, iter(root.next_functions))]
+        while stack:
+            node, nexts = stack[-1]
+            for nxt, _ in nexts:
+                if nxt is None:
+                    continue
+                k = id(nxt)
+                if k in targets or memo.get(k, (None, False))[1]:
+                    for n, _ in stack:
+                        memo[id(n)] = (n, True)
+                    return True
+                if k not in memo:
+                    stack.append((nxt, iter(nxt.next_functions)))
+                    break
+            else:  # every successor answered no
+                memo[id(node)] = (node, False)
+                stack.pop()
+    return False
 
 
 def _attach_orphans(model: nn.Module, cap: Capture, loss: torch.Tensor, fn: str) -> None:
@@ -645,13 +751,15 @@ def _attach_orphans(model: nn.Module, cap: Capture, loss: torch.Tensor, fn: str)
     left = {pid for pid in orphans if pid not in covered}
     if not left or loss.grad_fn is None:
         return
-    seen: set[int] = set()
+    # by id, each node kept: torch may hand out a new wrapper object per visit and free the last,
+    # whose id a different node's wrapper may then reuse
+    seen: dict[int, Any] = {}
     todo = [loss.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf the loss depends on
         if var is not None and id(var) in left:
             raise ValueError(
@@ -673,17 +781,12 @@ def _param_calls(cap: Capture) -> dict[int, list[tuple[Call, str]]]:
     return out
 
 
-def _grads_of(cap: Capture) -> dict[int, torch.Tensor]:
-    """Per-sample grads of every parameter reached (summed over calls and tied uses)."""
-    res: dict[int, torch.Tensor] = {}
-    for c in cap.calls:
-        if c.grad is None:
-            continue
-        for k, v in c.kind.grads(c, c.grad).items():
-            p = c.params[k]
-            v = _rows_as(v, p)
-            res[id(p)] = v if id(p) not in res else res[id(p)] + v
-    return res
+def _add_grads(res: dict[int, torch.Tensor], c: Call, g: Any) -> None:
+    """res[id(param)] += the call's per-sample grads of each of its parameters (tied uses sum)."""
+    for k, v in c.kind.grads(c, g).items():
+        p = c.params[k]
+        v = _rows_as(v, p)
+        res[id(p)] = v if id(p) not in res else res[id(p)] + v
 
 
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, *,
@@ -707,8 +810,14 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: An
 
     See also: ``torch.func.vmap(torch.func.grad(...))``, Opacus' ``GradSampleModule``.
     """
-    _, cap, B, scale = run(model, loss_fn, inputs, targets, loss_reduction, "cukit.per_sample_grads")
-    res = _grads_of(cap)
+    res: dict[int, torch.Tensor] = {}
+
+    def consume(c: Call, g: Any) -> bool:
+        _add_grads(res, c, g)
+        return True
+
+    _, _, B, scale = run(model, loss_fn, inputs, targets, loss_reduction, "cukit.per_sample_grads",
+                           lambda _cap: consume)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -720,12 +829,47 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: An
     return out
 
 
+class NormStream:
+    """The norms' consumer of :func:`run`: each call's squared per-sample norms formed as soon as
+    its G arrives (``per``: id(param) -> (B,); ``dense``: (B,) sums of Linear layers with 2-D
+    inputs, one :func:`cukit.ops.per_sample.dense_sq_norms` launch per layer), G then dropped.
+    A call with a parameter that another call also uses keeps its G for :func:`sq_norms_of`: the
+    norm of a sum is not the sum of norms."""
+
+    def __init__(self, calls: list[Call], per_parameter: bool) -> None:
+        # the calls, not the capture that holds this consumer: no reference cycle keeping a step's
+        # activations alive until the garbage collector runs
+        self.calls, self.per_parameter = calls, per_parameter
+        self.multi: set[int] | None = None
+        self.per: dict[int, torch.Tensor] = {}
+        self.dense: list[torch.Tensor] = []
+
+    def __call__(self, c: Call, g: Any) -> bool:
+        if self.multi is None:  # every call is recorded by the time the backward runs
+            seen: set[int] = set()
+            self.multi = set()
+            for cc in self.calls:
+                for p in cc.params.values():
+                    (self.multi if id(p) in seen else seen).add(id(p))
+        single = {k for k, p in c.params.items() if id(p) not in self.multi}
+        if len(single) < len(c.params):
+            return False
+        if not self.per_parameter and _is_dense(c, single):
+            a, g2 = c.kind._ag(c, g)  # type: ignore[attr-defined]
+            self.dense.append(ops.dense_sq_norms([(a, g2, "bias" in single)]))
+        else:
+            for k, v in c.kind.sq_norms(c, g).items():
+                self.per[id(c.params[k])] = v
+        return True
+
+
 def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bool = False,
-                finish_scale: float | None = None) -> Any:
+                finish_scale: float | None = None, streamed: NormStream | None = None) -> Any:
     """Squared per-sample gradient norms summed over all parameters (B,) (ghost norms wherever a
     parameter has one use; a parameter used by several calls or modules is materialised, since
-    the norm of a sum is not the sum of norms). per_parameter: a dict id(param) -> (B,) instead.
-    finish_scale: the norms of the loss scaled by it, ``sqrt(finish_scale^2 * sum)``, instead."""
+    the norm of a sum is not the sum of norms), from the calls' kept G and what `streamed` formed
+    during the backward. per_parameter: a dict id(param) -> (B,) instead. finish_scale: the norms
+    of the loss scaled by it, ``sqrt(finish_scale^2 * sum)``, instead."""
     per: dict[int, torch.Tensor] = {}
     multi: set[int] = {pid for pid, uses in _param_calls(cap).items() if len(uses) > 1}
     shared: dict[int, torch.Tensor] = {}
@@ -750,12 +894,16 @@ def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bo
                     shared[id(p)] = v if id(p) not in shared else shared[id(p)] + v
     for pid, v in shared.items():
         per[pid] = ops.row_sq_norms(v).to(dtype)
+    done: list[torch.Tensor] = []
+    if streamed is not None:
+        per.update((pid, v.to(dtype)) for pid, v in streamed.per.items())
+        done = [v.to(dtype) for v in streamed.dense]
     if per_parameter:
         return per
-    if len(dense) == 1 and not per:  # every layer in one launch (per four layers), the norms included
+    if len(dense) == 1 and not per and not done:  # every layer in one launch (per four layers), the norms included
         sq = ops.dense_sq_norms(next(iter(dense.values())), finish_scale=finish_scale)
         return sq if sq.dtype == dtype else sq.to(dtype)
-    parts = list(per.values()) + [ops.dense_sq_norms(layers).to(dtype) for layers in dense.values()]
+    parts = list(per.values()) + done + [ops.dense_sq_norms(layers).to(dtype) for layers in dense.values()]
     # one stacked sum, not a launch per parameter: the call is host-bound at small batches
     sq = torch.zeros(B, device=device, dtype=dtype) if not parts else parts[0] if len(parts) == 1 else (
         torch.stack(parts).sum(0))
@@ -784,14 +932,16 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Any, target
     See also: Opacus' ghost clipping, Li et al. 2022 ("Large language models can be strong
     differentially private learners"), Bu et al. 2023 (Book-Keeping).
     """
-    _, cap, B, scale = run(model, loss_fn, inputs, targets, loss_reduction, "cukit.per_sample_grad_norms")
+    _, cap, B, scale = run(model, loss_fn, inputs, targets, loss_reduction, "cukit.per_sample_grad_norms",
+                           lambda cap: NormStream(cap.calls, per_parameter))
+    streamed = cap.consumer
     dtype = _norm_dtype(cap)
     device = _device_of(cap, inputs)
     if per_parameter:
-        per = sq_norms_of(cap, B, device, dtype, per_parameter=True)
+        per = sq_norms_of(cap, B, device, dtype, per_parameter=True, streamed=streamed)
         return {n: (per[pid] * scale * scale).sqrt() if pid in per else torch.zeros(B, device=device, dtype=dtype)
                 for pid, n in cap.names.items()}
-    return sq_norms_of(cap, B, device, dtype, finish_scale=scale)
+    return sq_norms_of(cap, B, device, dtype, finish_scale=scale, streamed=streamed)
 
 
 def _norm_dtype(cap: Capture) -> torch.dtype:

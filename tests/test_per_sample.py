@@ -463,6 +463,120 @@ def test_module_called_twice() -> None:
     check(m, torch.randn(4, 5, dtype=F64), torch.randn(4, 5, dtype=F64))
 
 
+def test_no_reference_cycle_keeps_a_step_alive(monkeypatch: Any) -> None:
+    """The capture (and with it every saved activation) is freed when the call returns, without
+    waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    import cukit.per_sample as ps
+
+    refs: list[Any] = []
+    real = ps.run
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        out = real(*args, **kw)
+        refs.append(weakref.ref(out[1]))
+        return out
+
+    monkeypatch.setattr(ps, "run", spy)
+    m, x, y = mlp(), torch.randn(6, 20, dtype=F64), torch.randint(0, 10, (6,))
+    gc.collect()
+    gc.disable()
+    try:
+        cukit.per_sample_grad_norms(m, ce_sum, x, y)
+        cukit.per_sample_grad_norms(m, ce_sum, x, y, per_parameter=True)
+        cukit.per_sample_grads(m, ce_sum, x, y)
+        cukit.dp.clip_and_accumulate(m, ce_sum, x, y, max_grad_norm=1.0)
+        assert len(refs) == 4 and all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
+class Towers(nn.Module):
+    """Two branches fed by the data alone (two sources), a leaf input that requires grad, a
+    parameter of the root read in its own forward, a residual cukit.Linear and an unused head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(6, 5, dtype=F64), nn.ReLU(inplace=True), nn.Linear(5, 5, dtype=F64))
+        self.b = nn.Linear(6, 5, dtype=F64)
+        self.scale = nn.Parameter(torch.randn(5, dtype=F64))
+        self.mix = cnn.Linear(5, 5, activation="silu", dtype=F64)
+        self.out = nn.Linear(5, 4, dtype=F64)
+        self.unused = nn.Linear(5, 2, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) + self.b(x * 2) * self.scale
+        h = h + self.mix(h)
+        self.unused(h)
+        return self.out(h)
+
+
+def _asked_for(monkeypatch: Any, model: nn.Module) -> list[list[str]]:
+    """Per call of cukit.per_sample's run: the names of the layers whose G the backward returns."""
+    import cukit.per_sample as ps
+
+    names = {id(m): n for n, m in model.named_modules()}
+    asked: list[list[str]] = []
+    real = ps._streamed
+
+    def spy(cap: Any, consume: Any) -> Any:
+        wanted, hooks = real(cap, consume)
+        asked.append([names[id(c.module)] for c in wanted])
+        return wanted, hooks
+
+    monkeypatch.setattr(ps, "_streamed", spy)
+    return asked
+
+
+def test_streamed_output_grads_ask_only_for_the_source_layers(monkeypatch: Any) -> None:
+    """Norms and per-sample grads take each layer's G from a hook as the backward reaches it; the
+    backward returns only the G of layers no other recorded layer leads to (here the first)."""
+    m = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8, dtype=F64), nn.Tanh()) for _ in range(4)),
+                      nn.Linear(8, 3, dtype=F64))
+    x, y = torch.randn(5, 8, dtype=F64), torch.randn(5, 3, dtype=F64)
+    asked = _asked_for(monkeypatch, m)
+    check(m, x, y)
+    assert asked == [["0.0"], ["0.0"]]  # per_sample_grads, per_sample_grad_norms
+    cukit.dp.clip_and_accumulate(m, sum_sq, x, y, max_grad_norm=1.0)
+    assert len(asked) == 2  # a DP step keeps every G for its clipped sum: nothing streamed
+
+
+def test_streamed_output_grads_odd_graphs(monkeypatch: Any) -> None:
+    """Two sources, an input that requires grad, a root parameter, a residual, an unused output:
+    against torch.func; the leaf-fed and root layers are asked for, the rest streamed."""
+    m = Towers()
+    x = torch.randn(4, 6, dtype=F64, requires_grad=True)
+    asked = _asked_for(monkeypatch, m)
+    check(m, x, torch.randn(4, 4, dtype=F64))
+    assert x.grad is None
+    assert asked == [["a.0", "b", ""]] * 2  # a.2, mix, out and unused streamed
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_streamed_grad_is_never_written_over(activation: str, monkeypatch: Any) -> None:
+    """A streamed G is autograd's buffer while the backward runs: a residual hands the same tensor
+    to the skip path. The fused activation's pre-activation grad must not overwrite it, even where
+    the chunked in-place route would take a G of its own."""
+    import cukit.per_sample as ps
+
+    monkeypatch.setattr(ps, "_PREACT_CHUNK_BYTES", 3 * 6 * 8)  # 3 rows of 6 float64
+
+    class Res(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 6, dtype=F64)
+            self.mlp = cnn.Linear(6, 6, activation=activation, dtype=F64)
+            self.out = nn.Linear(6, 2, dtype=F64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.out(h + self.mlp(h))
+
+    check(Res(), torch.randn(5, 3, 4, dtype=F64), torch.randn(5, 3, 2, dtype=F64))
+
+
 def test_unused_and_frozen_parameters() -> None:
     m = nn.ModuleDict({"a": nn.Linear(4, 3, dtype=F64), "b": nn.Linear(4, 3, dtype=F64)})
     m["a"].bias.requires_grad_(False)
@@ -926,3 +1040,46 @@ def test_scatter_rows_sum_matches_accumulation_and_is_deterministic(device, dtyp
         if n and dtype != torch.float64:  # the sorted prefix-sum path CUDA takes, on any device
             got = _scatter_rows_sum_sorted_(base.to(dtype), idx, rows.to(dtype))
             torch.testing.assert_close(got.double(), exp, rtol=tol, atol=tol * max(1.0, n ** 0.5))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("act", [None, "gelu"])
+def test_gpu_streamed_norms_hold_a_few_output_grads_not_all(act: str | None) -> None:
+    """The norms of a deep MLP form each layer's part as its G arrives. The capture keeps every
+    layer's input to the end either way; keeping every G too (a DP step's way) peaks at least
+    three layers' G higher. The norms match per-sample grads'."""
+    import os
+
+    import cukit.per_sample as ps
+
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        pytest.skip("torch's allocator statistics are off (every allocation is a cudaMalloc)")
+    B, d, L = 512, 1024, 8
+
+    def block() -> nn.Module:
+        return cnn.Linear(d, d, activation=act) if act else nn.Sequential(nn.Linear(d, d), nn.ReLU())
+
+    m = nn.Sequential(*(block() for _ in range(L)), nn.Linear(d, 10)).cuda()
+    x, y = torch.randn(B, d, device="cuda"), torch.randint(0, 10, (B,), device="cuda")
+    g_bytes = B * d * 4
+
+    def kept_all() -> torch.Tensor:
+        _, cap, n, scale = ps.run(m, ce_sum, x, y, "sum", "test")
+        return ps.sq_norms_of(cap, n, x.device, torch.float32, finish_scale=scale)
+
+    def peak(fn: Any) -> tuple[int, torch.Tensor]:
+        fn()  # warm: kernels compiled, plans made
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        return torch.cuda.max_memory_allocated() - base, out
+
+    p_all, want = peak(kept_all)
+    p_stream, norms = peak(lambda: cukit.per_sample_grad_norms(m, ce_sum, x, y))
+    assert p_stream + 3 * g_bytes <= p_all, (p_stream / 2**20, p_all / 2**20, g_bytes / 2**20)
+    torch.testing.assert_close(norms, want, rtol=1e-5, atol=1e-6)
+    grads = torch.sqrt(sum(v.float().flatten(1).square().sum(1)
+                           for v in cukit.per_sample_grads(m, ce_sum, x, y).values()))
+    torch.testing.assert_close(norms, grads, rtol=1e-4, atol=1e-6)
