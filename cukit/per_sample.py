@@ -817,7 +817,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: An
         return True
 
     _, _, B, scale = run(model, loss_fn, inputs, targets, loss_reduction, "cukit.per_sample_grads",
-                           lambda _cap: consume)
+                         lambda _cap: consume)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:

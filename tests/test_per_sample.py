@@ -554,6 +554,28 @@ def test_streamed_output_grads_odd_graphs(monkeypatch: Any) -> None:
     assert asked == [["a.0", "b", ""]] * 2  # a.2, mix, out and unused streamed
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_streamed_consumer_error_propagates(device: str, monkeypatch: Any) -> None:
+    """An error raised while a hook forms a layer's part (on CUDA: on autograd's device thread)
+    reaches the caller as itself; the next call runs clean."""
+    import cukit.per_sample as ps
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    m = mlp(torch.float32).to(device)
+    x, y = torch.randn(6, 20, device=device), torch.randint(0, 10, (6,), device=device)
+    want = cukit.per_sample_grad_norms(m, ce_sum, x, y)
+
+    def boom(self: Any, c: Any, g: Any) -> bool:
+        raise ValueError("boom in a layer's norm")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ps.NormStream, "__call__", boom)
+        with pytest.raises(ValueError, match="boom in a layer's norm"):
+            cukit.per_sample_grad_norms(m, ce_sum, x, y)
+    torch.testing.assert_close(cukit.per_sample_grad_norms(m, ce_sum, x, y), want)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_streamed_grad_is_never_written_over(activation: str, monkeypatch: Any) -> None:
     """A streamed G is autograd's buffer while the backward runs: a residual hands the same tensor

@@ -241,6 +241,7 @@ class TorchOp:
             # the C-level apply: Function.apply's Python wrapper only adds functorch handling,
             # which the FUNCTION path never needs (FUNCTORCH takes FunctorchFunction)
             self._function_apply = super(torch.autograd.Function, self.Function).apply  # type: ignore[misc]
+
             def functorch_setup(ctx: Any, inputs: tuple, output: Any) -> None:
                 setup_context(ctx, inputs, output)
                 ctx._materialize_non_diff_grads = False
