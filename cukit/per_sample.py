@@ -653,18 +653,22 @@ def run(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, loss_reduc
             gs = tuple(next(grads) for _ in c.edges)
             if any(g is not None for g in gs):
                 g = gs if isinstance(c.kind, FallbackKind) else gs[0]
-                if consume is None or not consume(c, g):
+                if consume is None:
                     c.grad = g
                 else:
-                    _release(c)
+                    _hand_over(c, g, consume)
     return loss.detach(), cap, B, float(B) if loss_reduction == "mean" else 1.0
 
 
-def _release(c: Call) -> None:
-    """Drop what a consumed call kept: its saved input (a layer's activations, which autograd
-    frees once the layer below no longer needs them) and what its kind derived."""
-    c.saved = None
-    c.cache.clear()
+def _hand_over(c: Call, g: Any, consume: Consume) -> None:
+    """G to `consume`; kept on the call where it declines, else the call drops what it kept: its
+    saved input (a layer's activations, which autograd frees once the layer below no longer needs
+    them) and what its kind derived."""
+    if consume(c, g):
+        c.saved = None
+        c.cache.clear()
+    else:
+        c.grad = g
 
 
 def _streamed(cap: Capture, consume: Consume) -> tuple[list[Call], list[Any]]:
@@ -691,10 +695,7 @@ def _streamed(cap: Capture, consume: Consume) -> tuple[list[Call], list[Any]]:
             g = gout[nr]
             if g is not None:
                 c.borrowed = True  # also when kept: another call's G may be a view of it
-                if consume(c, g):
-                    _release(c)
-                else:
-                    c.grad = g
+                _hand_over(c, g, consume)
 
         handles.append(edge.node.register_hook(hook))
     return wanted, handles
@@ -831,8 +832,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Any, targets: An
 
 class NormStream:
     """The norms' consumer of :func:`run`: each call's squared per-sample norms formed as soon as
-    its G arrives (``per``: id(param) -> (B,); ``dense``: (B,) sums of Linear layers with 2-D
-    inputs, one :func:`cukit.ops.per_sample.dense_sq_norms` launch per layer), G then dropped.
+    its G arrives (``per``: id(param) -> (B,); ``dense``: accumulation dtype -> one (B,) running sum
+    over the Linear layers with 2-D inputs, one :func:`cukit.ops.per_sample.dense_sq_norms` launch
+    per layer adding into it), G then dropped.
     A call with a parameter that another call also uses keeps its G for :func:`sq_norms_of`: the
     norm of a sum is not the sum of norms."""
 
@@ -842,7 +844,7 @@ class NormStream:
         self.calls, self.per_parameter = calls, per_parameter
         self.multi: set[int] | None = None
         self.per: dict[int, torch.Tensor] = {}
-        self.dense: list[torch.Tensor] = []
+        self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def __call__(self, c: Call, g: Any) -> bool:
         if self.multi is None:  # every call is recorded by the time the backward runs
@@ -856,7 +858,8 @@ class NormStream:
             return False
         if not self.per_parameter and _is_dense(c, single):
             a, g2 = c.kind._ag(c, g)  # type: ignore[attr-defined]
-            self.dense.append(ops.dense_sq_norms([(a, g2, "bias" in single)]))
+            acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+            self.dense[acc] = ops.dense_sq_norms([(a, g2, "bias" in single)], out=self.dense.get(acc))
         else:
             for k, v in c.kind.sq_norms(c, g).items():
                 self.per[id(c.params[k])] = v
@@ -897,7 +900,7 @@ def sq_norms_of(cap: Capture, B: int, device: Any, dtype: Any, per_parameter: bo
     done: list[torch.Tensor] = []
     if streamed is not None:
         per.update((pid, v.to(dtype)) for pid, v in streamed.per.items())
-        done = [v.to(dtype) for v in streamed.dense]
+        done = [v.to(dtype) for v in streamed.dense.values()]
     if per_parameter:
         return per
     if len(dense) == 1 and not per and not done:  # every layer in one launch (per four layers), the norms included

@@ -682,6 +682,14 @@ def test_dense_sq_norms(dims: list) -> None:
     layers = _dense_layers(6, dims, F64)
     torch.testing.assert_close(ops.dense_sq_norms(layers), _dense_want(layers))
     torch.testing.assert_close(ops.dense_sq_norms(layers, finish_scale=3.0), (9 * _dense_want(layers)).sqrt())
+    # layers one at a time into one accumulator: the same sums
+    acc = None
+    for layer in layers:
+        acc = ops.dense_sq_norms([layer], out=acc)
+    torch.testing.assert_close(acc, _dense_want(layers))
+    start = torch.rand(6, dtype=F64)
+    got = ops.dense_sq_norms(layers, out=start.clone(), finish_scale=2.0)
+    torch.testing.assert_close(got, (4 * (start + _dense_want(layers))).sqrt())
 
 
 def test_dense_sq_norms_bad_inputs() -> None:
@@ -698,6 +706,10 @@ def test_dense_sq_norms_bad_inputs() -> None:
         ops.dense_sq_norms([(a, g, True), (a.double(), g, True)])
     with pytest.raises(ValueError, match=r"layers\[0\]\[0\] \(a\) must be 2-D; got shape \(4, 1, 3\)"):
         ops.dense_sq_norms([(a[:, None], g, True)])
+    for bad in (torch.zeros(5), torch.zeros(4, dtype=F64), torch.zeros(8)[::2]):
+        with pytest.raises(ValueError, match=r"dense_sq_norms: out must be a contiguous \(4,\) tensor of dtype "
+                                             r"torch.float32"):
+            ops.dense_sq_norms([(a, g, True)], out=bad)
 
 
 def test_norms_mixed_dense_and_other_layers() -> None:
@@ -859,6 +871,16 @@ def test_gpu_dense_sq_norms(dtype: Any, dims: list, B: int) -> None:
     assert torch.equal(ops.dense_sq_norms(layers), got)  # bitwise reproducible (plan-cache hit)
     torch.testing.assert_close(ops.dense_sq_norms(layers, finish_scale=2.0).double().cpu(), (4 * want).sqrt(),
                                rtol=rtol, atol=scale ** 0.5)
+    # one layer at a time into one accumulator (the streamed norms' way), then a finish over the sum
+    acc = None
+    for layer in layers:
+        acc = ops.dense_sq_norms([layer], out=acc)
+    assert acc is not None and acc.dtype == got.dtype
+    torch.testing.assert_close(acc.double().cpu(), want, rtol=rtol, atol=scale)
+    start = torch.rand(B, device="cuda", dtype=got.dtype)
+    fin = ops.dense_sq_norms(layers, out=start.clone(), finish_scale=2.0)
+    torch.testing.assert_close(fin.double().cpu(), (4 * (start.double().cpu() + want)).sqrt(), rtol=rtol,
+                               atol=scale ** 0.5)
     # strided and misaligned views: copied, or the scalar path
     odd = [(torch.randn(B, a.shape[1] + 1, device="cuda").to(dtype)[:, 1:], g.t().contiguous().t(), b)
            for a, g, b in layers]

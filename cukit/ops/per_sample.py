@@ -660,7 +660,7 @@ _DENSE_LAYERS = 4  # kDenseLayers in per_sample.cu: layers per launch
 _DENSE_PLANS = PlanCache("per_sample_dense", maxsize=1024)
 
 
-def dense_sq_norms(layers: Any, *, finish_scale: float | None = None) -> Any:
+def dense_sq_norms(layers: Any, *, finish_scale: float | None = None, out: Any = None) -> Any:
     """``s[i] = sum_l ||g_l[i]||^2 (||a_l[i]||^2 + bias_l)``: the squared per-sample gradient
     norms of Linear layers ``y = a W^T (+ b)`` with 2-D inputs, weight and bias together, summed
     over the layers, without forming a per-sample gradient (``||dW_i||^2 = ||a_i||^2 ||g_i||^2``,
@@ -670,6 +670,8 @@ def dense_sq_norms(layers: Any, *, finish_scale: float | None = None) -> Any:
     grads of the pre-activation), bias a bool (the layer's bias is counted); every tensor of one
     dtype (float16, bfloat16, float32, float64) and device, any strides (made contiguous).
     finish_scale: return ``sqrt(finish_scale^2 * s)``, the norms of a loss scaled by it, instead.
+    out: a contiguous (B,) tensor of the result's dtype to add s into (``out += s``, returned; the
+    finish then applies to the sum): layers that arrive one at a time share one accumulator.
     Returns (B,) in float32 (float64 for float64). On CUDA: one launch per four layers (fixed-order
     sums, bitwise reproducible), no sync.
 
@@ -681,23 +683,30 @@ def dense_sq_norms(layers: Any, *, finish_scale: float | None = None) -> Any:
         raise ValueError("cukit.ops.per_sample.dense_sq_norms: layers must hold at least one (a, g, bias); got none")
     a0 = layers[0][0]
     if not a0.is_cuda:
-        _dense_check(layers)
-        return reference_dense_sq_norms(layers, finish_scale=finish_scale)
-    key = ("dense", finish_scale, *((a.shape, a.stride(), g.shape, g.stride(), a.dtype, g.dtype, a.device, g.device,
-                                     (a.data_ptr() | g.data_ptr()) & 15, bool(b)) for a, g, b in layers))
+        _dense_check(layers, out)
+        s = reference_dense_sq_norms(layers)
+        if out is not None:
+            s = out.add_(s)
+        return s if finish_scale is None else s.mul_(float(finish_scale) ** 2).sqrt_()
+    acc = out is not None
+    key = ("dense", finish_scale, acc, *((a.shape, a.stride(), g.shape, g.stride(), a.dtype, g.dtype, a.device,
+                                          g.device, (a.data_ptr() | g.data_ptr()) & 15, bool(b)) for a, g, b in layers))
     plan = _DENSE_PLANS.get(key)
     if plan is None:
-        _dense_check(layers)
+        _dense_check(layers, out)
         dense = Densify.needed([t for a, g, _ in layers for t in (a, g)], "torch")
         if dense is not None:  # later calls copy the strided arrays and take the copies' plan
             _DENSE_PLANS.put(key, dense)
-            return dense_sq_norms(_densified(dense, layers), finish_scale=finish_scale)
-        plan = _DENSE_PLANS.put(key, _dense_plan(layers, finish_scale))
+            return dense_sq_norms(_densified(dense, layers), finish_scale=finish_scale, out=out)
+        plan = _DENSE_PLANS.put(key, _dense_plan(layers, finish_scale, acc))
     elif plan.__class__ is Densify:
-        return dense_sq_norms(_densified(plan, layers), finish_scale=finish_scale)
-    out = a0.new_empty((a0.shape[0],), dtype=_acc(a0))
-    if not plan:
-        return out.zero_()
+        return dense_sq_norms(_densified(plan, layers), finish_scale=finish_scale, out=out)
+    if out is None:
+        out = a0.new_empty((a0.shape[0],), dtype=_acc(a0))
+        if not plan:
+            return out.zero_()
+    elif not plan:
+        return out
     stream = current_stream(a0.get_device(), True)
     for run, first in plan:
         ptrs = [out.data_ptr()]
@@ -713,9 +722,16 @@ def _densified(dense: Densify, layers: tuple) -> tuple:
     return tuple((flat[2 * i], flat[2 * i + 1], b) for i, (_, _, b) in enumerate(layers))
 
 
-def _dense_check(layers: tuple) -> None:
+def _dense_check(layers: tuple, out: Any = None) -> None:
     fn = "dense_sq_norms"
     a0 = layers[0][0]
+    if out is not None and not (
+        isinstance(out, type(a0)) and out.shape == (a0.shape[0],) and out.dtype == _acc(a0)
+        and out.device == a0.device and out.is_contiguous()
+    ):
+        raise ValueError(f"cukit.ops.per_sample.{fn}: out must be a contiguous ({a0.shape[0]},) tensor of dtype "
+                         f"{_acc(a0)} on {a0.device}; got {type(out).__name__} "
+                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')} {getattr(out, 'device', '')}")
     for i, layer in enumerate(layers):
         if not isinstance(layer, tuple) or len(layer) != 3:
             raise TypeError(f"cukit.ops.per_sample.{fn}: layers[{i}] must be a tuple (a, g, bias); got {layer!r}")
@@ -735,8 +751,9 @@ def _dense_check(layers: tuple) -> None:
                                  f"(samples, layers[0]'s); got shape {tuple(t.shape)}")
 
 
-def _dense_plan(layers: tuple, finish_scale: float | None) -> list[tuple[Any, int]]:
-    """[(launch, first layer)] per group of four layers; [] when there are no rows."""
+def _dense_plan(layers: tuple, finish_scale: float | None, accumulate: bool = False) -> list[tuple[Any, int]]:
+    """[(launch, first layer)] per group of four layers; [] when there are no rows. accumulate: the
+    first group adds into the output too (the later groups always do)."""
     a0 = layers[0][0]
     B = int(a0.shape[0])
     if B == 0:
@@ -756,7 +773,7 @@ def _dense_plan(layers: tuple, finish_scale: float | None) -> list[tuple[Any, in
         mask = sum(1 << i for i, (_, _, b) in enumerate(group) if b)
         last = first + _DENSE_LAYERS >= len(layers)
         finish = last and finish_scale is not None
-        tail = (B, *dims, len(group), mask, int(first > 0), int(finish), float(finish_scale or 1.0) ** 2)
+        tail = (B, *dims, len(group), mask, int(first > 0 or accumulate), int(finish), float(finish_scale or 1.0) ** 2)
         plan.append((KERNELS.prepare(f"dense_ghost_norms<{_ctype(a0)}, {vec}>", grid, (_BLOCK,), tail, device=device),
                      first))
     return plan
