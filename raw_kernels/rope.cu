@@ -17,11 +17,12 @@
 
 using namespace cukit;
 
-// Heads each thread loads before it computes any (bytes in flight per thread: 2 * HEAD_UNROLL vectors).
-#ifndef CUKIT_ROPE_HEAD_UNROLL
-#define CUKIT_ROPE_HEAD_UNROLL 2
+// Heads of one token each thread rotates (their x loads all issued before any compute; the tables
+// loaded once for them).
+#ifndef CUKIT_ROPE_ROW_UNROLL
+#define CUKIT_ROPE_ROW_UNROLL 3
 #endif
-constexpr int HEAD_UNROLL = CUKIT_ROPE_HEAD_UNROLL;
+constexpr int ROW_UNROLL = CUKIT_ROPE_ROW_UNROLL;
 
 // TI, TO: the rotated tensors' input and output types; TC: cos and sin. The maths is in float, or
 // double when a tensor is double (the wider of TI and TO is at least as wide as TC: the host calls
@@ -32,14 +33,18 @@ template <typename X, typename Y> struct Pick<false, X, Y> { using type = Y; };
 template <typename TI, typename TO>
 using rope_acc_t = acc_t<typename Pick<(sizeof(TI) >= sizeof(TO)), TI, TO>::type>;
 
-// One block per (b, s) token (a grid-stride loop over tokens), covering every q and k head of it.
-// blockDim.x threads span the h / VEC rotary column pairs of a head, blockDim.y threads the heads, so
-// each thread loads its VEC columns of cos and sin (both halves) once per token and applies them to
-// each head it visits (HEAD_UNROLL heads per trip, loads first). VEC > 1 needs 16-byte vectors
-// everywhere: h and D multiples of VEC, every pointer aligned, every stride a multiple of VEC.
-// Index is int when every element offset of every tensor fits (the host checks): 32-bit address
-// arithmetic per head, and the bfloat16 instantiation down from 124 to 106 registers (ptxas,
-// sm_90); long long otherwise.
+// A row is one head of one token; a group is ROW_UNROLL consecutive heads of one token (a token's q
+// heads before its k heads, adjacent in memory in Hugging Face's layout), groups = tokens * ceil(H /
+// ROW_UNROLL). blockDim.x threads span a row's h / VEC column pairs (then its pass-through columns),
+// blockDim.y groups make a block's trip, and the grid strides over trips. A thread loads the x vectors
+// of its group's rows, then the table vectors once for all of them, computes and stores: every load a
+// thread makes is in flight at once, and the tables are read once per group rather than once per head.
+// Bytes in flight per thread set the speed here more than resident warps do (benchmarks/NOTES.md:
+// three heads per thread beat one head at half the registers, and the first version, which held a
+// token's tables in registers as float across all its heads). VEC > 1 needs 16-byte vectors
+// everywhere: h and D multiples of VEC, every pointer aligned, every stride a multiple of VEC. Index
+// is int when every element offset of every tensor and every group index the loop forms fits (the
+// host checks); long long otherwise.
 template <typename TI, typename TC, typename TO, int VEC, bool TRANSPOSE, typename Index>
 __global__ void rope(const TI* __restrict__ q, const TI* __restrict__ k, const TC* __restrict__ cos_,
                      const TC* __restrict__ sin_, TO* __restrict__ q_out, TO* __restrict__ k_out, long long tokens_,
@@ -57,76 +62,75 @@ __global__ void rope(const TI* __restrict__ q, const TI* __restrict__ k, const T
   const Index k_sh = static_cast<Index>(k_sh_), ko_sb = static_cast<Index>(ko_sb_), ko_ss = static_cast<Index>(ko_ss_);
   const Index ko_sh = static_cast<Index>(ko_sh_), c_sb = static_cast<Index>(c_sb_), c_ss = static_cast<Index>(c_ss_);
   const Index half = R / 2;
-  const int pairs = static_cast<int>(half / VEC);  // VEC-wide column pairs per head
+  const int pairs = static_cast<int>(half / VEC);  // VEC-wide column pairs per row
+  const int pass = static_cast<int>((D - R) / VEC);  // VEC-wide pass-through columns per row
   const Index H = Hq + Hk;
-  const Index pass = (D - R) / VEC;  // VEC-wide pass-through columns per head
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int nthreads = blockDim.x * blockDim.y;
+  const Index HG = (H + ROW_UNROLL - 1) / ROW_UNROLL;  // head groups per token
+  const Index groups = tokens * HG;
 
-  for (Index t = blockIdx.x; t < tokens; t += static_cast<Index>(gridDim.x)) {
-    const Index b = t / S;
-    const Index s = t - b * S;
-    const Index qi = b * q_sb + s * q_ss, qo = b * qo_sb + s * qo_ss;
-    const Index ki = b * k_sb + s * k_ss, ko = b * ko_sb + s * ko_ss;
-    const TC* __restrict__ cp = cos_ + b * c_sb + s * c_ss;
-    const TC* __restrict__ sp = sin_ + b * c_sb + s * c_ss;
+  for (Index g = static_cast<Index>(blockIdx.x) * blockDim.y + threadIdx.y; g < groups;
+       g += static_cast<Index>(gridDim.x) * blockDim.y) {
+    const Index t = g / HG;
+    const Index h0 = (g - t * HG) * ROW_UNROLL;
+    const Index b = t / S, s = t - b * S;
+    const Index co = b * c_sb + s * c_ss;
+    // element offsets of each row in its input and its output; -1: past the token's last head
+    Index xi[ROW_UNROLL], yo[ROW_UNROLL];
+    bool isq[ROW_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ROW_UNROLL; ++u) {
+      const Index h = h0 + u;
+      isq[u] = h < Hq;
+      xi[u] = h >= H ? -1 : isq[u] ? b * q_sb + s * q_ss + h * q_sh : b * k_sb + s * k_ss + (h - Hq) * k_sh;
+      yo[u] = h >= H ? 0 : isq[u] ? b * qo_sb + s * qo_ss + h * qo_sh : b * ko_sb + s * ko_ss + (h - Hq) * ko_sh;
+    }
 
     for (int c = threadIdx.x; c < pairs; c += blockDim.x) {
       const Index d = static_cast<Index>(c) * VEC;
-      A c_lo[VEC], c_hi[VEC], s_lo[VEC], s_hi[VEC];
-      {
-        const Vec<TC, VEC> cl = load_vec<TC, VEC>(cp + d), ch = load_vec<TC, VEC>(cp + half + d);
-        const Vec<TC, VEC> sl = load_vec<TC, VEC>(sp + d), sh = load_vec<TC, VEC>(sp + half + d);
+      Vec<TI, VEC> x_lo[ROW_UNROLL], x_hi[ROW_UNROLL];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          c_lo[j] = to_acc<A>(cl.v[j]);
-          c_hi[j] = to_acc<A>(ch.v[j]);
-          s_lo[j] = TRANSPOSE ? -to_acc<A>(sh.v[j]) : to_acc<A>(sl.v[j]);
-          s_hi[j] = TRANSPOSE ? -to_acc<A>(sl.v[j]) : to_acc<A>(sh.v[j]);
+      for (int u = 0; u < ROW_UNROLL; ++u) {
+        if (xi[u] >= 0) {
+          const TI* __restrict__ x = (isq[u] ? q : k) + xi[u] + d;
+          x_lo[u] = load_vec<TI, VEC>(x);
+          x_hi[u] = load_vec<TI, VEC>(x + half);
         }
       }
-      for (Index h0 = threadIdx.y; h0 < H; h0 += static_cast<Index>(blockDim.y) * HEAD_UNROLL) {
-        Vec<TI, VEC> x_lo[HEAD_UNROLL], x_hi[HEAD_UNROLL];
+      const Vec<TC, VEC> cl = load_vec<TC, VEC>(cos_ + co + d), ch = load_vec<TC, VEC>(cos_ + co + half + d);
+      const Vec<TC, VEC> sl = load_vec<TC, VEC>(sin_ + co + d), sh = load_vec<TC, VEC>(sin_ + co + half + d);
 #pragma unroll
-        for (int r = 0; r < HEAD_UNROLL; ++r) {
-          const Index h = h0 + static_cast<Index>(r) * blockDim.y;
-          if (h < H) {
-            const TI* __restrict__ x = h < Hq ? q + qi + h * q_sh : k + ki + (h - Hq) * k_sh;
-            x_lo[r] = load_vec<TI, VEC>(x + d);
-            x_hi[r] = load_vec<TI, VEC>(x + half + d);
+      for (int u = 0; u < ROW_UNROLL; ++u) {
+        if (xi[u] >= 0) {
+          TO* __restrict__ y = (isq[u] ? q_out : k_out) + yo[u] + d;
+          Vec<TO, VEC> y_lo, y_hi;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const A lo = to_acc<A>(x_lo[u].v[j]), hi = to_acc<A>(x_hi[u].v[j]);
+            const A s_lo = TRANSPOSE ? -to_acc<A>(sh.v[j]) : to_acc<A>(sl.v[j]);
+            const A s_hi = TRANSPOSE ? -to_acc<A>(sl.v[j]) : to_acc<A>(sh.v[j]);
+            y_lo.v[j] = from_acc<TO>(lo * to_acc<A>(cl.v[j]) - hi * s_lo);
+            y_hi.v[j] = from_acc<TO>(hi * to_acc<A>(ch.v[j]) + lo * s_hi);
           }
-        }
-#pragma unroll
-        for (int r = 0; r < HEAD_UNROLL; ++r) {
-          const Index h = h0 + static_cast<Index>(r) * blockDim.y;
-          if (h < H) {
-            TO* __restrict__ y = h < Hq ? q_out + qo + h * qo_sh : k_out + ko + (h - Hq) * ko_sh;
-            Vec<TO, VEC> y_lo, y_hi;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-              const A lo = to_acc<A>(x_lo[r].v[j]), hi = to_acc<A>(x_hi[r].v[j]);
-              y_lo.v[j] = from_acc<TO>(lo * c_lo[j] - hi * s_lo[j]);
-              y_hi.v[j] = from_acc<TO>(hi * c_hi[j] + lo * s_hi[j]);
-            }
-            store_vec<TO, VEC>(y + d, y_lo);
-            store_vec<TO, VEC>(y + half + d, y_hi);
-          }
+          store_vec<TO, VEC>(y, y_lo);
+          store_vec<TO, VEC>(y + half, y_hi);
         }
       }
     }
 
-    // partial rotary: columns [R, D) are copied (converted to TO), spread over the whole block
-    for (Index u = tid; u < H * pass; u += nthreads) {
-      const Index h = u / pass;
-      // (R / VEC + ...) * VEC, not R + ...: provably a multiple of VEC, so the store stays one vector
-      const Index d = (R / VEC + u - h * pass) * VEC;
-      const TI* __restrict__ x = h < Hq ? q + qi + h * q_sh : k + ki + (h - Hq) * k_sh;
-      TO* __restrict__ y = h < Hq ? q_out + qo + h * qo_sh : k_out + ko + (h - Hq) * ko_sh;
-      const Vec<TI, VEC> xv = load_vec<TI, VEC>(x + d);
-      Vec<TO, VEC> yv;
+    // partial rotary: columns [R, D) are copied (converted to TO)
+    for (int c = threadIdx.x; c < pass; c += blockDim.x) {
+      // (R / VEC + c) * VEC, not R + ...: provably a multiple of VEC, so the store stays one vector
+      const Index d = (R / VEC + static_cast<Index>(c)) * VEC;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) yv.v[j] = from_acc<TO>(to_acc<A>(xv.v[j]));
-      store_vec<TO, VEC>(y + d, yv);
+      for (int u = 0; u < ROW_UNROLL; ++u) {
+        if (xi[u] >= 0) {
+          const Vec<TI, VEC> xv = load_vec<TI, VEC>((isq[u] ? q : k) + xi[u] + d);
+          Vec<TO, VEC> yv;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) yv.v[j] = from_acc<TO>(to_acc<A>(xv.v[j]));
+          store_vec<TO, VEC>((isq[u] ? q_out : k_out) + yo[u] + d, yv);
+        }
+      }
     }
   }
 }

@@ -95,7 +95,7 @@ KERNELS = KernelModule(
 )
 
 _THREADS = 256  # threads per block to aim for
-_HEAD_UNROLL = 2  # = HEAD_UNROLL in rope.cu: heads a thread loads before computing
+_ROW_UNROLL = 3  # = ROW_UNROLL in rope.cu: heads of one token a thread rotates
 _MAX_BX = 64  # column-pair threads per block (more pairs: a thread loops)
 _MAX_GRID = 2**31 - 1
 _INT32_MAX = 2**31 - 1
@@ -470,20 +470,20 @@ def _prepare(spec: RopeSpec, transpose: bool, arrays: tuple[Any, ...], device: i
         and c_ss % vec == 0
     )
     vec = vec if aligned else 1
-    pairs = half // vec
-    bx = min(pairs, _MAX_BX)
+    pairs, passes = half // vec, (spec.D - spec.R) // vec
+    bx = max(1, min(max(pairs, passes), _MAX_BX))
     H = spec.Hq + spec.Hk
-    by = max(1, min(H, _THREADS // bx))
-    trips = -(-H // (by * _HEAD_UNROLL))  # head loop trips per thread; balance the rows over them
-    by = -(-H // (trips * _HEAD_UNROLL))
     tokens = spec.B * spec.S
+    groups = tokens * -(-H // _ROW_UNROLL)  # a thread's rows: _ROW_UNROLL heads of one token
+    by = max(1, min(_THREADS // bx, groups))
+    grid = min(-(-groups // by), _MAX_GRID)
     # int indexing while every value the kernel forms fits: an offset is at most a tensor's extent
-    # (+ a vector), the token loop reaches tokens + grid, the column loops H * D + a block
+    # (+ a vector), the group loop reaches groups + a grid's trip
     extent = max(sum((n - 1) * s for n, s in zip(t.shape, st_t, strict=True)) for t, st_t in zip(arrays, st, strict=True))
-    index = "int" if max(extent + vec, 2 * tokens, H * spec.D + 2 * _THREADS) <= _INT32_MAX else "long long"
+    index = "int" if max(extent + vec, groups + (grid + 1) * by, H + _ROW_UNROLL) <= _INT32_MAX else "long long"
     scalars = (tokens, spec.S, spec.Hq, spec.Hk, spec.R, spec.D, *rot[0], *rot[1], *rot[2], *rot[3], c_sb, c_ss)
-    return KERNELS.prepare(_kernel(spec.ti, spec.tc, spec.to, vec, transpose, index), (min(tokens, _MAX_GRID),),
-                           (bx, by), scalars, device=device)
+    return KERNELS.prepare(_kernel(spec.ti, spec.tc, spec.to, vec, transpose, index), (grid,), (bx, by), scalars,
+                           device=device)
 
 
 # ---------------------------------------------------------------------------------------------
