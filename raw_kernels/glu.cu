@@ -13,14 +13,16 @@ template <typename T> constexpr bool kFast = sizeof(T) == 2;
 
 // Both kernels: a grid-stride loop over VEC-wide vectors (16 bytes when VEC > 1: gate, up, dy and
 // every output 16-byte aligned, checked on the host), UNROLL vectors per thread per trip, all loaded
-// before any is computed so that enough bytes are in flight per SM while the activation maths runs.
+// before any is computed. The host launches a grid that covers the arrays in one trip (the loop is
+// for grids past the launch limit): short-lived blocks replace each other on an SM, which keeps more
+// loads in flight than a fixed set of resident blocks looping (benchmarks/NOTES.md).
 // The last n % VEC elements (VEC > 1) are done one per thread by the first block. Indices are
 // 64-bit: n may exceed 2^31.
 #ifndef CUKIT_GLU_FWD_UNROLL
-#define CUKIT_GLU_FWD_UNROLL 2
+#define CUKIT_GLU_FWD_UNROLL 1
 #endif
 #ifndef CUKIT_GLU_BWD_UNROLL
-#define CUKIT_GLU_BWD_UNROLL 2
+#define CUKIT_GLU_BWD_UNROLL 1
 #endif
 constexpr int GLU_FWD_UNROLL = CUKIT_GLU_FWD_UNROLL;
 constexpr int GLU_BWD_UNROLL = CUKIT_GLU_BWD_UNROLL;

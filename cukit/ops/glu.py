@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from cukit._device import sm_count
 from cukit._runtime import Densify, KernelModule, PlanCache
 from cukit.interop import (
     DTYPES,
@@ -92,7 +91,12 @@ KERNELS = KernelModule(
 )
 
 _BLOCK = 256
-_BLOCKS_PER_SM = 16  # two waves of 8 resident 256-thread blocks (as bias_act's flat kernel)
+# vectors per thread (GLU_FWD_UNROLL / GLU_BWD_UNROLL in glu.cu): the grid covers the arrays once,
+# one block per _BLOCK * unroll vectors; blocks that retire hand their SM to the next ones, which
+# keeps more loads in flight than a grid-stride loop over a fixed number of resident blocks
+_FWD_UNROLL = 1
+_BWD_UNROLL = 1
+_MAX_GRID = 2**31 - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,10 +314,10 @@ class _Plan:
         self.shape, self.run = shape, run
 
 
-def _launch_shape(dt: DType, n: int, ptrs: list[int], device: int) -> tuple[int, int]:
-    """(vector width, blocks) of a flat launch over n elements."""
+def _launch_shape(dt: DType, n: int, ptrs: list[int], unroll: int) -> tuple[int, int]:
+    """(vector width, blocks) of a flat launch over n elements, `unroll` vectors per thread."""
     vec = 16 // dt.itemsize if all(p % 16 == 0 for p in ptrs) else 1
-    blocks = max(1, min(-(-(n // vec) // _BLOCK), sm_count(device) * _BLOCKS_PER_SM))
+    blocks = max(1, min(-(-(n // vec) // (_BLOCK * unroll)), _MAX_GRID))
     return vec, blocks
 
 
@@ -351,7 +355,7 @@ def _forward_first(gate: Any, up: Any, act: int, key: tuple) -> Any:
     run = None
     if n:
         pg, pu, py = _ptr(gate, kind), _ptr(up, kind), _ptr(y, kind)
-        vec, blocks = _launch_shape(dt, n, [pg, pu, py], device)
+        vec, blocks = _launch_shape(dt, n, [pg, pu, py], _FWD_UNROLL)
         run = KERNELS.prepare(f"glu_fwd<{dt.ctype}, {act}, {vec}>", (blocks,), (_BLOCK,), (n,), device=device)
         run((pg, pu, py), current_stream(device, kind == "torch"))
     _FWD_PLANS.put(key, _Plan(tuple(y.shape), run))
@@ -398,7 +402,7 @@ def _backward_first(grad: Any, gate: Any, up: Any, act: int, key: tuple) -> tupl
     run = None
     if n:
         ptrs = [_ptr(t, kind) for t in (grad, gate, up, dg, du)]
-        vec, blocks = _launch_shape(dt, n, ptrs, device)
+        vec, blocks = _launch_shape(dt, n, ptrs, _BWD_UNROLL)
         run = KERNELS.prepare(f"glu_bwd<{dt.ctype}, {act}, {vec}>", (blocks,), (_BLOCK,), (n,), device=device)
         run(tuple(ptrs), current_stream(device, kind == "torch"))
     _BWD_PLANS.put(key, _Plan(shape, run))
