@@ -287,6 +287,17 @@ def test_gpu_every_output_element_is_written():
 
 
 @pytest.mark.gpu
+def test_gpu_rows_past_the_grid_y_limit():
+    # The row kernel's grid covers the rows in one trip up to 65,535 row blocks; past that its
+    # row-stride loop takes the rest. 2,048 bfloat16 columns make one row per block.
+    rows = 65535 + 7
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    y = cukit.bias_act(x, b, "relu")
+    assert torch.equal(y, (x.float() + b.float()).relu().to(torch.bfloat16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("shape, one_launch", [((64, 256), True), ((2, 3, 40), True), ((129, 7), True),
                                                ((4096, 256), False), ((3000, 7), False)])

@@ -73,7 +73,10 @@ KERNELS = KernelModule(
 
 _BLOCK = 256
 _FWD_UNROLL = 4  # >= FWD_UNROLL in bias_act.cu (bounds the indices the flat kernel forms)
-_FWD_BLOCKS_PER_SM = 16  # two waves of 8 resident 256-thread blocks
+_MAX_GRID_X, _MAX_GRID_Y = 2**31 - 1, 65535
+# The forward kernels' grids cover the array in one trip (their loops are for grids past the launch
+# limits): short-lived blocks replacing each other on an SM keep more loads in flight than a fixed
+# set of resident blocks looping (benchmarks/NOTES.md)
 _ROWS_MIN_VECTORS = 32  # rows of at least a warp's worth of vectors take bias_act_fwd_rows
 # Backward problems whose threads would each cover at most this many rows in one split run in one
 # launch (dbias written by the kernel, no workspace): a few unrolled trips per thread, cheaper on
@@ -409,13 +412,13 @@ def _forward_first(x: Any, bias: Any, act: int, key: tuple) -> Any:
         bx = min(_BLOCK, 1 << (cv - 1).bit_length())
         by = _BLOCK // bx
         col_blocks = -(-cv // bx)
-        row_blocks = max(1, min(-(-rows // by), -(-sm_count(device) * _FWD_BLOCKS_PER_SM // col_blocks), 65535))
+        row_blocks = max(1, min(-(-rows // by), _MAX_GRID_Y))
         run = KERNELS.prepare(
             f"bias_act_fwd_rows<{dt.ctype}, {act}, {vec}>", (col_blocks, row_blocks), (bx, by), (rows, C), device=device
         )
     else:
         nv = n // vec
-        blocks = max(1, min(-(-nv // _BLOCK), sm_count(device) * _FWD_BLOCKS_PER_SM))
+        blocks = max(1, min(-(-nv // _BLOCK), _MAX_GRID_X))
         # int indexing while no index the kernel forms (up to nv + FWD_UNROLL * threads) can overflow
         index = "int" if nv + _FWD_UNROLL * blocks * _BLOCK <= _INT32_MAX else "long long"
         run = KERNELS.prepare(
