@@ -16,6 +16,7 @@
 // longer row is read again for each pass (from L2 mostly). VEC > 1 only when H % VEC == 0 and every
 // pointer is aligned to its vectors (see Pack), so a vector never straddles two rows.
 #include <cukit/dtypes.cuh>
+#include <cukit/ptx.cuh>
 #include <cukit/vec.cuh>
 
 using namespace cukit;
@@ -288,6 +289,11 @@ __global__ void __launch_bounds__(kMaxThreads)
   const long long step = static_cast<long long>(gridDim.x) * rpb;
   const long long first = static_cast<long long>(blockIdx.x) * rpb + threadIdx.y;
   const bool ahead = PREFETCH && in_regs;
+  // 16-bit LayerNorm rows held in registers ask L2 for the next row group's lines before this
+  // row's two reductions: no registers held, and DRAM stays busy across the barriers. RMSNorm's
+  // single reduction, and float32 rows (twice the bytes per element in flight already), lost with
+  // the hints (benchmarks/NOTES.md, "norm backward: the next rows' lines asked of L2").
+  const bool l2_ahead = VEC > 1 && MODE == LAYER && sizeof(T) == 2 && in_regs;
   if (ahead) {
     load_chunk(xn, x + (first < rows ? first * H : 0), t * VEC, stride, H, first < rows);
     load_chunk(gn, dy + (first < rows ? first * H : 0), t * VEC, stride, H, first < rows);
@@ -298,6 +304,17 @@ __global__ void __launch_bounds__(kMaxThreads)
     const long long row0 = active ? r * H : 0;
     const A rstd = active ? rstd_in[r] : A(0);
     const A mean = MODE == LAYER && active ? mean_in[r] : A(0);
+    if (l2_ahead && r + step < rows) {
+      const long long next = (r + step) * H;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const long long c = t * VEC + j * stride;
+        if (c < H) {
+          ptx::prefetch_l2(x + next + c);
+          ptx::prefetch_l2(dy + next + c);
+        }
+      }
+    }
     if (ahead) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
