@@ -13,10 +13,11 @@ template <typename T> constexpr bool kFast = sizeof(T) == 2;
 
 // Forward: a grid-stride loop over VEC-wide vectors, UNROLL vectors per thread per trip, all
 // loaded before any is computed so that enough bytes are in flight to cover DRAM latency while the
-// activation maths (erf, exp, tanh) runs. The host launches a grid that covers the array in one trip
-// (the loop serves grids past the launch limit), as for bias_act_fwd_rows below. VEC > 1 only when C % VEC == 0 and x, bias, y are
-// 16-byte aligned, so a vector never straddles two rows. Index is int when n fits, which makes the
-// per-vector column lookup (v % cv) a 32-bit remainder instead of a 64-bit one.
+// activation maths (erf, exp, tanh) runs. The host launches a grid that covers the array in one
+// trip (the loop serves grids past the launch limit), as for bias_act_fwd_rows below. VEC > 1 only
+// when C % VEC == 0 and x, bias, y are 16-byte aligned, so a vector never straddles two rows. Index
+// is int when n fits, which makes the per-vector column lookup (v % cv) a 32-bit remainder instead
+// of a 64-bit one.
 #ifndef CUKIT_FWD_UNROLL
 #define CUKIT_FWD_UNROLL 1
 #endif
@@ -58,9 +59,10 @@ __global__ void bias_act_fwd(const T* __restrict__ x, const T* __restrict__ bias
 
 // Forward over rows: block (bx, by), bx threads across VEC-wide column groups, by down the rows;
 // grid (column blocks, row blocks) covering the rows in one trip where the grid's y limit allows
-// (a row-stride loop beyond it). Each thread keeps its bias vector in registers for all its rows, so there is no per-element column arithmetic and no bias reload:
-// fewer instructions per element, which is what limits the 16-bit types. Used when rows are
-// wide enough (cv >= 32 vectors) to fill a warp with one row.
+// (a row-stride loop beyond it). Each thread keeps its bias vector in registers for all its rows,
+// so there is no per-element column arithmetic and no bias reload: fewer instructions per element,
+// which is what limits the 16-bit types. Used when rows are wide enough (cv >= 32 vectors) to fill
+// a warp with one row.
 template <typename T, int ACT, int VEC>
 __global__ void bias_act_fwd_rows(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ y,
                                   long long rows, long long C) {
