@@ -30,6 +30,7 @@ template <bool C, typename A, typename B> struct If { using type = A; };
 template <typename A, typename B> struct If<false, A, B> { using type = B; };
 template <typename A, typename B> constexpr bool kSame = false;
 template <typename A> constexpr bool kSame<A, A> = true;
+template <typename A> using NoDeduce = typename If<true, A, A>::type;  // a parameter typed by another
 
 // M: the precision of the weight maths and of the weight gradient's partial sums: acc_t<T>, or
 // double for a float64 weight. O: the output type (see the modes).
@@ -75,13 +76,14 @@ template <typename S, int N> __device__ __forceinline__ void store_pack(S* __res
 }
 
 // The NV vectors of one chunk of a row that this thread holds; zeros past the row's end and for
-// rows past the last (they add nothing to the sums).
-template <typename S, int VEC, int NV>
-__device__ __forceinline__ void load_chunk(Pack<S, VEC> (&v)[NV], const S* __restrict__ row, long long first,
-                                           long long stride, long long H, bool active) {
+// rows past the last (they add nothing to the sums). C: the column type (int where the host knows
+// the row is one chunk).
+template <typename S, int VEC, int NV, typename C>
+__device__ __forceinline__ void load_chunk(Pack<S, VEC> (&v)[NV], const S* __restrict__ row, NoDeduce<C> first,
+                                           NoDeduce<C> stride, C H, bool active) {
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const long long c = first + j * stride;
+    const C c = first + j * stride;
     if (active && c < H) {
       v[j] = load_pack<S, VEC>(row + c);
     } else {
@@ -92,11 +94,15 @@ __device__ __forceinline__ void load_chunk(Pack<S, VEC> (&v)[NV], const S* __res
 }
 
 // Sums each of N values over the TPR = blockDim.x threads of a row; every thread of the row gets the
-// sums. A butterfly of shuffles (IEEE addition commutes, so both partners of each step compute the
-// same bits), then, for TPR > 32, the warps' sums added in warp order: the result does not depend
-// on timing. Every thread of the block calls it (it may hold __syncthreads). `scratch` holds
-// N * kMaxThreads / 32 values.
-template <typename A, int N> __device__ __forceinline__ void row_sum(A (&v)[N], A* scratch) {
+// sums. A butterfly of shuffles within each warp (IEEE addition commutes, so both partners of each
+// step compute the same bits); for TPR > 32 each warp then posts its sums, and every warp finishes
+// alone: lane l reads warp (l % warps)'s sums and a butterfly over the warps adds them (one shared
+// load and log2(warps) shuffles, not `warps` loads; every warp adds the same values in the same
+// pattern, so every thread gets the same bits, independent of timing). Every thread of the block
+// calls it (it holds __syncthreads). `scratch` holds N * kMaxThreads / 32 values. REUSE: the slots
+// are written again by a later call, so the block waits until every warp has read them; a caller
+// that gives each call its own slots passes false.
+template <typename A, int N, bool REUSE = true> __device__ __forceinline__ void row_sum(A (&v)[N], A* scratch) {
   const int tpr = blockDim.x;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -114,19 +120,26 @@ template <typename A, int N> __device__ __forceinline__ void row_sum(A (&v)[N], 
     }
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      A acc = A(0);
-      for (int k = 0; k < warps; ++k) acc += s[k * N + i];
-      v[i] = acc;
+    for (int i = 0; i < N; ++i) v[i] = s[(lane & (warps - 1)) * N + i];
+#pragma unroll
+    for (int o = kMaxThreads / 64; o > 0; o >>= 1) {
+      if (o < warps) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+      }
     }
-    __syncthreads();  // the slots are written again by the next call
+    if (REUSE) __syncthreads();
   }
 }
 
 // Forward: one row per blockDim.x threads, no grid-stride loop (a block's rows are independent).
+// ONE: the row is one chunk (H <= NV * TPR * VEC; the host picks it so): the loops and reloads
+// compile away and columns are 32-bit, which saves registers and lets more warps stay resident
+// (benchmarks/NOTES.md, "norm forward, a row held in one chunk"). Otherwise longer rows are read
+// again for each pass, with 64-bit columns.
 // y == nullptr: statistics only (the array API's backward without saved statistics). mean_out,
 // rstd_out == nullptr: not written (inference keeps no statistics).
-template <typename T, typename W, int MODE, int VEC, int NV>
+template <typename T, typename W, int MODE, int VEC, int NV, bool ONE>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_fwd(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b,
              out_t<T, W, MODE>* __restrict__ y, acc_t<T>* __restrict__ mean_out, acc_t<T>* __restrict__ rstd_out,
@@ -134,19 +147,22 @@ __global__ void __launch_bounds__(kMaxThreads)
   using A = acc_t<T>;
   using M = math_t<T, W>;
   using O = out_t<T, W, MODE>;
-  __shared__ A scratch[kMaxThreads / 32];
+  using C = typename If<ONE, int, long long>::type;  // a column within the row
+  __shared__ A scratch[2 * kMaxThreads / 32];  // a half per row_sum call: no barrier between them
   const int t = threadIdx.x, tpr = blockDim.x;
   const long long r = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = r < rows;
   const long long row0 = active ? r * H : 0;
-  const long long stride = static_cast<long long>(tpr) * VEC;
-  const long long chunk = NV * stride;
-  const int nchunks = static_cast<int>((H + chunk - 1) / chunk);
+  const T* __restrict__ xr = x + row0;
+  const C h = static_cast<C>(H);
+  const C stride = static_cast<C>(tpr) * VEC;
+  const C chunk = NV * stride;
+  const int nchunks = ONE ? 1 : static_cast<int>((h + chunk - 1) / chunk);
   Pack<T, VEC> xv[NV];
 
   A s[1] = {A(0)};
   for (int ch = 0; ch < nchunks; ++ch) {
-    load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+    load_chunk(xv, xr, ch * chunk + t * VEC, stride, h, active);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
 #pragma unroll
@@ -156,16 +172,16 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
   }
-  row_sum(s, scratch);
+  row_sum<A, 1, false>(s, scratch);
   A mean = A(0);
   if (MODE == LAYER) {  // the variance from the centred values: no cancellation of E[x^2] - mean^2
     mean = s[0] / static_cast<A>(H);
     s[0] = A(0);
     for (int ch = 0; ch < nchunks; ++ch) {
-      if (nchunks > 1) load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+      if (!ONE) load_chunk(xv, xr, ch * chunk + t * VEC, stride, h, active);
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        if (ch * chunk + j * stride + t * VEC < H) {
+        if (ch * chunk + j * stride + t * VEC < h) {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const A d = cvt<A>(xv[j].get(k)) - mean;
@@ -174,22 +190,23 @@ __global__ void __launch_bounds__(kMaxThreads)
         }
       }
     }
-    row_sum(s, scratch);
+    row_sum<A, 1, false>(s, scratch + kMaxThreads / 32);
   }
   const A rstd = rsqrt_(s[0] / static_cast<A>(H) + static_cast<A>(eps));
   if (active && t == 0) {
     if (rstd_out != nullptr) rstd_out[r] = rstd;
     if (MODE == LAYER && mean_out != nullptr) mean_out[r] = mean;
   }
-  if (y == nullptr) return;  // no barrier below
+  if (y == nullptr || !active) return;  // no barrier below
 
+  O* __restrict__ yr = y + row0;
   const M off = static_cast<M>(offset);
   for (int ch = 0; ch < nchunks; ++ch) {
-    if (nchunks > 1) load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
+    if (!ONE) load_chunk(xv, xr, ch * chunk + t * VEC, stride, h, true);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      const long long c = ch * chunk + j * stride + t * VEC;
-      if (!active || c >= H) continue;
+      const C c = ch * chunk + j * stride + t * VEC;
+      if (c >= h) continue;
       Pack<W, VEC> wv{}, bv{};
       if (w != nullptr) wv = load_pack<W, VEC>(w + c);
       if (MODE == LAYER && b != nullptr) bv = load_pack<W, VEC>(b + c);
@@ -211,7 +228,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         }
         yv.set(k, narrow<O>(o));
       }
-      store_pack<O, VEC>(y + row0 + c, yv);
+      store_pack<O, VEC>(yr + c, yv);
     }
   }
 }

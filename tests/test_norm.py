@@ -683,7 +683,8 @@ def test_launch_geometry_and_declared_instantiations():
                 T = DTYPES[x]
                 for vec in (16 // T.itemsize, 1):
                     nvf = nm._nv(False, vec, T.itemsize, layer=mode == nm.LAYER)
-                    assert f"norm_fwd<{T.ctype}, {wk}, {mode}, {vec}, {nvf}>" in declared
+                    for one in ("true", "false"):
+                        assert f"norm_fwd<{T.ctype}, {wk}, {mode}, {vec}, {nvf}, {one}>" in declared
                     nv = nm._nv(True, vec, T.itemsize, DTYPES[nm._kernel_weight(c, mode)].itemsize,
                                 layer=mode == nm.LAYER)
                     assert f"norm_bwd<{T.ctype}, {wk}, {mode}, {vec}, {nv}>" in declared

@@ -122,7 +122,7 @@ def _instantiations() -> dict[str, list[str]]:
             for mode in modes:
                 for vec in (16 // dt.itemsize, 1):  # the 16-byte vector path and the scalar path
                     nvf = _nv(False, vec, dt.itemsize, layer=mode == LAYER)
-                    fwd.append(f"norm_fwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvf}>")
+                    fwd += [f"norm_fwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvf}, {one}>" for one in ("true", "false")]
                     nvb = _nv(True, vec, dt.itemsize, DTYPES[wname].itemsize, layer=mode == LAYER)
                     bwd.append(f"norm_bwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvb}>")
         groups[f"{name}/fwd"] = fwd
@@ -703,7 +703,8 @@ def _forward_first(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset
     grid = -(-rows // rpb)
     if grid > _GRID_MAX:
         raise ValueError(f"{_FN[mode]}: x has {rows} rows; at most {_GRID_MAX * rpb} are supported at H = {H}")
-    run = KERNELS.prepare(f"norm_fwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}>", (grid,), (tpr, rpb),
+    one = "true" if tpr * nv * vec >= H else "false"  # the row held in registers in one chunk
+    run = KERNELS.prepare(f"norm_fwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}, {one}>", (grid,), (tpr, rpb),
                           (rows, H, eps, offset), device=device)
     run(ptrs, current_stream(device, kind == "torch"))
     _FWD_PLANS.put(key, _FwdPlan(run, *plan_args))
