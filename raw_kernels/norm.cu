@@ -245,7 +245,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 // the block writes pw[blockIdx.x, :] (pb[blockIdx.x, :]). Chunked rows (one row group per block)
 // add into those partial rows directly instead, each column always by the same thread. No atomics:
 // bitwise reproducible for a given launch configuration. pw (pb) == nullptr: no weight (bias).
-template <typename T, typename W, int MODE, int VEC, int NV>
+// ONE: as the forward's, the row is one chunk (held in registers; the host picks it so): the chunk
+// loops and the chunked rows' sums compile away and columns are 32-bit.
+template <typename T, typename W, int MODE, int VEC, int NV, bool ONE>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_bwd(const out_t<T, W, MODE>* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
              const acc_t<T>* __restrict__ mean_in, const acc_t<T>* __restrict__ rstd_in, T* __restrict__ dx,
@@ -257,11 +259,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   constexpr int NS = MODE == LAYER ? 2 : 1;  // row sums: sum(g x^) (and sum(g))
   __shared__ A scratch[NS * kMaxThreads / 32];
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  using C = typename If<ONE, int, long long>::type;  // a column within the row
   const int t = threadIdx.x, tpr = blockDim.x, rpb = blockDim.y;
-  const long long stride = static_cast<long long>(tpr) * VEC;
-  const long long chunk = NV * stride;
-  const int nchunks = static_cast<int>((H + chunk - 1) / chunk);
-  const bool in_regs = nchunks == 1;
+  const C h = static_cast<C>(H);
+  const C stride = static_cast<C>(tpr) * VEC;
+  const C chunk = NV * stride;
+  const int nchunks = ONE ? 1 : static_cast<int>((h + chunk - 1) / chunk);
+  const bool in_regs = ONE || nchunks == 1;
   M* gw = pw != nullptr ? pw + static_cast<long long>(blockIdx.x) * H : nullptr;
   M* gb = MODE == LAYER && pb != nullptr ? pb + static_cast<long long>(blockIdx.x) * H : nullptr;
   M* red = reinterpret_cast<M*>(smem_raw);
@@ -285,8 +289,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int ch = 0; ch < nchunks; ++ch) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const long long c = ch * chunk + j * stride + t * VEC;
-        if (c >= H) continue;
+        const C c = ch * chunk + j * stride + t * VEC;
+        if (c >= h) continue;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           if (sw != nullptr) sw[c + k] = M(0);
@@ -311,9 +315,20 @@ __global__ void __launch_bounds__(kMaxThreads)
   // single reduction, and float32 rows (twice the bytes per element in flight already), lost with
   // the hints (benchmarks/NOTES.md, "norm backward: the next rows' lines asked of L2").
   const bool l2_ahead = VEC > 1 && MODE == LAYER && sizeof(T) == 2 && in_regs;
+  // A row held in registers with at most 32 bytes of weight per thread keeps the weight for all its
+  // rows (read once, as its columns never change) instead of reading it from L1 twice per row.
+  constexpr bool HOLD_W = ONE && NV * VEC * sizeof(W) <= 32;
+  Pack<W, VEC> wh[HOLD_W ? NV : 1];
+  if (HOLD_W && w != nullptr) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const C c = j * stride + t * VEC;
+      if (c < h) wh[j] = load_pack<W, VEC>(w + c);
+    }
+  }
   if (ahead) {
-    load_chunk(xn, x + (first < rows ? first * H : 0), t * VEC, stride, H, first < rows);
-    load_chunk(gn, dy + (first < rows ? first * H : 0), t * VEC, stride, H, first < rows);
+    load_chunk(xn, x + (first < rows ? first * H : 0), t * VEC, stride, h, first < rows);
+    load_chunk(gn, dy + (first < rows ? first * H : 0), t * VEC, stride, h, first < rows);
   }
   for (long long r0 = static_cast<long long>(blockIdx.x) * rpb; r0 < rows; r0 += step) {
     const long long r = r0 + threadIdx.y;
@@ -325,8 +340,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       const long long next = (r + step) * H;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const long long c = t * VEC + j * stride;
-        if (c < H) {
+        const C c = t * VEC + j * stride;
+        if (c < h) {
           ptx::prefetch_l2(x + next + c);
           ptx::prefetch_l2(dy + next + c);
         }
@@ -339,8 +354,8 @@ __global__ void __launch_bounds__(kMaxThreads)
         gv[j] = gn[j];
       }
       const long long rn = r + step;
-      load_chunk(xn, x + (rn < rows ? rn * H : 0), t * VEC, stride, H, rn < rows);
-      load_chunk(gn, dy + (rn < rows ? rn * H : 0), t * VEC, stride, H, rn < rows);
+      load_chunk(xn, x + (rn < rows ? rn * H : 0), t * VEC, stride, h, rn < rows);
+      load_chunk(gn, dy + (rn < rows ? rn * H : 0), t * VEC, stride, h, rn < rows);
     }
 
     A s[NS];
@@ -348,15 +363,15 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int i = 0; i < NS; ++i) s[i] = A(0);
     for (int ch = 0; ch < nchunks; ++ch) {
       if (!ahead) {
-        load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
-        load_chunk(gv, dy + row0, ch * chunk + t * VEC, stride, H, active);
+        load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, h, active);
+        load_chunk(gv, dy + row0, ch * chunk + t * VEC, stride, h, active);
       }
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const long long c = ch * chunk + j * stride + t * VEC;
-        if (c >= H) continue;
+        const C c = ch * chunk + j * stride + t * VEC;
+        if (c >= h) continue;
         Pack<W, VEC> wv{};
-        if (w != nullptr) wv = load_pack<W, VEC>(w + c);
+        if (w != nullptr) wv = HOLD_W ? wh[HOLD_W ? j : 0] : load_pack<W, VEC>(w + c);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
@@ -373,15 +388,15 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     for (int ch = 0; ch < nchunks; ++ch) {
       if (!in_regs) {
-        load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, H, active);
-        load_chunk(gv, dy + row0, ch * chunk + t * VEC, stride, H, active);
+        load_chunk(xv, x + row0, ch * chunk + t * VEC, stride, h, active);
+        load_chunk(gv, dy + row0, ch * chunk + t * VEC, stride, h, active);
       }
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const long long c = ch * chunk + j * stride + t * VEC;
-        if (!active || c >= H) continue;
+        const C c = ch * chunk + j * stride + t * VEC;
+        if (!active || c >= h) continue;
         Pack<W, VEC> wv{};
-        if (w != nullptr) wv = load_pack<W, VEC>(w + c);
+        if (w != nullptr) wv = HOLD_W ? wh[HOLD_W ? j : 0] : load_pack<W, VEC>(w + c);
         Pack<T, VEC> dv;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
@@ -407,8 +422,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int ch = 0; ch < nchunks; ++ch) {
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
-          const long long c = ch * chunk + j * stride + t * VEC;
-          if (c >= H) continue;
+          const C c = ch * chunk + j * stride + t * VEC;
+          if (c >= h) continue;
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             if (gw != nullptr) gw[c + k] = sw[c + k];
@@ -428,8 +443,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (rpb == 1) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const long long c = j * stride + t * VEC;
-        if (c >= H) continue;
+        const C c = j * stride + t * VEC;
+        if (c >= h) continue;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) part[c + k] = q == 0 ? aw[j][k] : ab[j][k];
       }
@@ -438,8 +453,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     __syncthreads();  // red may still be read for the previous q
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      const long long c = j * stride + t * VEC;
-      if (c >= H) continue;
+      const C c = j * stride + t * VEC;
+      if (c >= h) continue;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) red[threadIdx.y * H + c + k] = q == 0 ? aw[j][k] : ab[j][k];
     }

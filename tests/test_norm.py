@@ -687,7 +687,8 @@ def test_launch_geometry_and_declared_instantiations():
                         assert f"norm_fwd<{T.ctype}, {wk}, {mode}, {vec}, {nvf}, {one}>" in declared
                     nv = nm._nv(True, vec, T.itemsize, DTYPES[nm._kernel_weight(c, mode)].itemsize,
                                 layer=mode == nm.LAYER)
-                    assert f"norm_bwd<{T.ctype}, {wk}, {mode}, {vec}, {nv}>" in declared
+                    for one in ("true", "false"):
+                        assert f"norm_bwd<{T.ctype}, {wk}, {mode}, {vec}, {nv}, {one}>" in declared
 
 
 def test_benchmark_dry_run(tmp_path):

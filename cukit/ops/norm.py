@@ -124,7 +124,7 @@ def _instantiations() -> dict[str, list[str]]:
                     nvf = _nv(False, vec, dt.itemsize, layer=mode == LAYER)
                     fwd += [f"norm_fwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvf}, {one}>" for one in ("true", "false")]
                     nvb = _nv(True, vec, dt.itemsize, DTYPES[wname].itemsize, layer=mode == LAYER)
-                    bwd.append(f"norm_bwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvb}>")
+                    bwd += [f"norm_bwd<{dt.ctype}, {wt}, {mode}, {vec}, {nvb}, {one}>" for one in ("true", "false")]
         groups[f"{name}/fwd"] = fwd
         groups[f"{name}/bwd"] = bwd
     groups["reduce"] = [f"norm_reduce<{m}, {DTYPES[d].ctype}>" for m in ("float", "double") for d in FLOAT_DTYPES]
@@ -827,7 +827,7 @@ def _backward_first(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: 
         smem = rpb * H * msize
     elif nout and not in_regs and nout * H * msize + 1024 <= device_caps(device).smem_optin:
         smem, smem_acc = nout * H * msize, 1
-    name = f"norm_bwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}>"
+    name = f"norm_bwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}, {'true' if in_regs else 'false'}>"
     blocks = -(-rows // rpb)
     if nout:  # persistent: every block in the first wave, each summing its rows into one partial row
         per_sm = _resident_blocks(KERNELS.function(name, device), tpr * rpb, smem, device)
