@@ -61,7 +61,30 @@ template <typename S, int N> struct Pack {
   Vec<S, C> p[N / C];
   __device__ __forceinline__ S get(int k) const { return p[k / C].v[k % C]; }
   __device__ __forceinline__ void set(int k, S v) { p[k / C].v[k % C] = v; }
+  // All bits zero (+0 in every float type), written as 32-bit words where the vectors allow: set()
+  // per 16-bit element would make the compiler keep the elements in separate registers.
+  __device__ __forceinline__ void zero() {
+    if constexpr (sizeof(Vec<S, C>) % 4 == 0) {
+      unsigned* w = reinterpret_cast<unsigned*>(p);
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(p) / 4); ++i) w[i] = 0u;
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) set(k, narrow<S>(acc_t<S>(0)));
+    }
+  }
 };
+
+// Element k of a pack in the maths type A. A bfloat16 pair comes straight from its 32-bit word (a
+// shift or a mask): through get() each element is first moved into a 16-bit register of its own.
+template <typename A, typename S, int N> __device__ __forceinline__ A elem(const Pack<S, N>& v, int k) {
+  if constexpr (kSame<S, __nv_bfloat16> && Pack<S, N>::C % 2 == 0) {
+    const unsigned w = reinterpret_cast<const unsigned*>(v.p)[k / 2];
+    return static_cast<A>(__uint_as_float(k % 2 == 0 ? w << 16 : w & 0xffff0000u));
+  } else {
+    return cvt<A>(v.get(k));
+  }
+}
 
 template <typename S, int N> __device__ __forceinline__ Pack<S, N> load_pack(const S* __restrict__ ptr) {
   Pack<S, N> r;
@@ -84,12 +107,8 @@ __device__ __forceinline__ void load_chunk(Pack<S, VEC> (&v)[NV], const S* __res
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const C c = first + j * stride;
-    if (active && c < H) {
-      v[j] = load_pack<S, VEC>(row + c);
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) v[j].set(k, narrow<S>(acc_t<S>(0)));
-    }
+    v[j].zero();
+    if (active && c < H) v[j] = load_pack<S, VEC>(row + c);
   }
 }
 
@@ -167,7 +186,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int j = 0; j < NV; ++j) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const A v = cvt<A>(xv[j].get(k));
+        const A v = elem<A>(xv[j], k);
         s[0] += MODE == LAYER ? v : v * v;
       }
     }
@@ -184,7 +203,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         if (ch * chunk + j * stride + t * VEC < h) {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
-            const A d = cvt<A>(xv[j].get(k)) - mean;
+            const A d = elem<A>(xv[j], k) - mean;
             s[0] += d * d;
           }
         }
@@ -213,18 +232,18 @@ __global__ void __launch_bounds__(kMaxThreads)
       Pack<O, VEC> yv;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
+        const A xh = (elem<A>(xv[j], k) - mean) * rstd;
         M o;
         if (MODE == RMS_ROUND) {  // HF Llama: hidden_states.to(input_dtype), then weight * it
           o = cvt<M>(narrow<T>(xh));
-          if (w != nullptr) o = (off + cvt<M>(wv.get(k))) * o;
+          if (w != nullptr) o = (off + elem<M>(wv, k)) * o;
         } else if (MODE == RMS) {  // HF Gemma: (x^ * (1 + w.float())).type_as(x)
           o = static_cast<M>(xh);
-          if (w != nullptr) o = o * (off + cvt<M>(wv.get(k)));
+          if (w != nullptr) o = o * (off + elem<M>(wv, k));
         } else {
           o = static_cast<M>(xh);
-          if (w != nullptr) o = o * cvt<M>(wv.get(k));
-          if (b != nullptr) o = o + cvt<M>(bv.get(k));
+          if (w != nullptr) o = o * elem<M>(wv, k);
+          if (b != nullptr) o = o + elem<M>(bv, k);
         }
         yv.set(k, narrow<O>(o));
       }
@@ -330,14 +349,18 @@ __global__ void __launch_bounds__(kMaxThreads)
     load_chunk(xn, x + (first < rows ? first * H : 0), t * VEC, stride, h, first < rows);
     load_chunk(gn, dy + (first < rows ? first * H : 0), t * VEC, stride, h, first < rows);
   }
-  for (long long r0 = static_cast<long long>(blockIdx.x) * rpb; r0 < rows; r0 += step) {
+  // row0 = r * H advanced by an add per row group (a multiply per load otherwise: the compiler
+  // rematerialises it at each use); past the last row it is never dereferenced (every access is
+  // guarded by `active`).
+  const long long step_h = step * H;
+  long long row0 = first * H;
+  for (long long r0 = static_cast<long long>(blockIdx.x) * rpb; r0 < rows; r0 += step, row0 += step_h) {
     const long long r = r0 + threadIdx.y;
     const bool active = r < rows;
-    const long long row0 = active ? r * H : 0;
     const A rstd = active ? rstd_in[r] : A(0);
     const A mean = MODE == LAYER && active ? mean_in[r] : A(0);
     if (l2_ahead && r + step < rows) {
-      const long long next = (r + step) * H;
+      const long long next = row0 + step_h;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const C c = t * VEC + j * stride;
@@ -374,9 +397,9 @@ __global__ void __launch_bounds__(kMaxThreads)
         if (w != nullptr) wv = HOLD_W ? wh[HOLD_W ? j : 0] : load_pack<W, VEC>(w + c);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
-          const M d = cvt<M>(gv[j].get(k));
-          const A g = static_cast<A>(w != nullptr ? d * (off + cvt<M>(wv.get(k))) : d);
+          const A xh = (elem<A>(xv[j], k) - mean) * rstd;
+          const M d = elem<M>(gv[j], k);
+          const A g = static_cast<A>(w != nullptr ? d * (MODE == LAYER ? elem<M>(wv, k) : off + elem<M>(wv, k)) : d);
           s[0] += g * xh;
           if (MODE == LAYER) s[NS - 1] += g;
         }
@@ -400,9 +423,9 @@ __global__ void __launch_bounds__(kMaxThreads)
         Pack<T, VEC> dv;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const A xh = (cvt<A>(xv[j].get(k)) - mean) * rstd;
-          const M d = cvt<M>(gv[j].get(k));
-          const A g = static_cast<A>(w != nullptr ? d * (off + cvt<M>(wv.get(k))) : d);
+          const A xh = (elem<A>(xv[j], k) - mean) * rstd;
+          const M d = elem<M>(gv[j], k);
+          const A g = static_cast<A>(w != nullptr ? d * (MODE == LAYER ? elem<M>(wv, k) : off + elem<M>(wv, k)) : d);
           dv.set(k, narrow<T>(rstd * (g - c2 - xh * c1)));
           const M xw = MODE == RMS_ROUND ? cvt<M>(narrow<T>(xh)) : static_cast<M>(xh);
           if (in_regs) {
