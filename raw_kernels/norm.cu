@@ -154,7 +154,7 @@ template <typename A, int N, bool REUSE = true> __device__ __forceinline__ void 
 // Forward: one row per blockDim.x threads, no grid-stride loop (a block's rows are independent).
 // ONE: the row is one chunk (H <= NV * TPR * VEC; the host picks it so): the loops and reloads
 // compile away and columns are 32-bit, which saves registers and lets more warps stay resident
-// (benchmarks/NOTES.md, "norm forward, a row held in one chunk"). Otherwise longer rows are read
+// (benchmarks/NOTES.md, "Stop 33": norm kernels with a row held in one chunk). Otherwise longer rows are read
 // again for each pass, with 64-bit columns.
 // y == nullptr: statistics only (the array API's backward without saved statistics). mean_out,
 // rstd_out == nullptr: not written (inference keeps no statistics).
