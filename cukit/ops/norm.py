@@ -539,6 +539,12 @@ def _threads(H: int, vec: int, nv: int) -> tuple[int, int]:
     return tpr, max(1, _BLOCK // tpr)
 
 
+def _one_chunk(H: int, tpr: int, nv: int, vec: int) -> str:
+    """The kernels' ONE template argument: "true" when a row of H elements is one chunk of tpr
+    threads x nv vectors x vec elements (held in registers; the loops compile away), else "false"."""
+    return "true" if tpr * nv * vec >= H else "false"
+
+
 def _bwd_threads(H: int, vec: int, nv: int, itemsize: int) -> tuple[int, int]:
     """The backward's (threads per row, rows per block): :func:`_threads`'s, except two rows per
     block of 512 where 16-bit rows take 256 threads (measured 9-12% faster than one row per block
@@ -703,7 +709,7 @@ def _forward_first(x: Any, weight: Any, bias: Any, mode: int, eps: float, offset
     grid = -(-rows // rpb)
     if grid > _GRID_MAX:
         raise ValueError(f"{_FN[mode]}: x has {rows} rows; at most {_GRID_MAX * rpb} are supported at H = {H}")
-    one = "true" if tpr * nv * vec >= H else "false"  # the row held in registers in one chunk
+    one = _one_chunk(H, tpr, nv, vec)
     run = KERNELS.prepare(f"norm_fwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}, {one}>", (grid,), (tpr, rpb),
                           (rows, H, eps, offset), device=device)
     run(ptrs, current_stream(device, kind == "torch"))
@@ -820,14 +826,15 @@ def _backward_first(grad: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: 
     vec = _vec(c.x, H, [(_ptr(grad, kind), out.itemsize), (_ptr(x, kind), T.itemsize), (wptr, W.itemsize)])
     nv = _nv(True, vec, T.itemsize, W.itemsize, layer=mode == LAYER)
     tpr, rpb = _bwd_threads(H, vec, nv, T.itemsize)
-    in_regs = tpr * nv * vec >= H
+    one = _one_chunk(H, tpr, nv, vec)
+    in_regs = one == "true"
     nout = (weight is not None) + (mode == LAYER and bias is not None)
     smem, smem_acc = 0, 0
     if nout and in_regs and rpb > 1:
         smem = rpb * H * msize
     elif nout and not in_regs and nout * H * msize + 1024 <= device_caps(device).smem_optin:
         smem, smem_acc = nout * H * msize, 1
-    name = f"norm_bwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}, {'true' if in_regs else 'false'}>"
+    name = f"norm_bwd<{T.ctype}, {W.ctype}, {mode}, {vec}, {nv}, {one}>"
     blocks = -(-rows // rpb)
     if nout:  # persistent: every block in the first wave, each summing its rows into one partial row
         per_sm = _resident_blocks(KERNELS.function(name, device), tpr * rpb, smem, device)
