@@ -799,6 +799,23 @@ def test_options_chunking_and_translation():
                                    options={"chunk_size": 4})
 
 
+def test_device_steps_cache_a_launch_per_row_stride(monkeypatch):
+    """DeviceSteps bakes each launch's scalar arguments, so calls that differ in one need launches
+    of their own: the column sums of the forward's stored gradient (16-byte rows) and of the
+    backward's workspace (32-byte rows) in one plan read rows of different strides (a launch
+    cached by the row count alone summed the wrong elements of the other)."""
+    prepared = []
+    monkeypatch.setattr(lce.KERNELS, "prepare", lambda name, grid, block, tail, **k: (
+        prepared.append((name, tail)) or (lambda args, stream: None)))
+    monkeypatch.setattr(lce, "sm_count", lambda device: 4)
+    spec = lce.check_spec("mean", None, 0.0, 0.0, None, False)
+    steps = lce.DeviceSteps("bfloat16", "int64", 0, 33, lce._ld(33, 2), spec, "bfloat16")
+    for ldg in (lce.stored_ld(33), lce._ld(33, 2), lce.stored_ld(33)):
+        steps.colsum(None, ldg, None, None, 5, True, None)
+    strides = [tail[2] for name, tail in prepared if name.startswith("ce_colsum<")]
+    assert strides == [lce.stored_ld(33), lce._ld(33, 2)]
+
+
 def test_held_config_covers_the_row_and_prefers_two_ctas_per_sm():
     """ce_rows_held's (cluster, vectors per thread, threads): the CTAs of the cluster hold the whole
     row (threads x R x 4 elements each), R = 8 while a cluster of 8 suffices, threads trimmed to
@@ -1167,6 +1184,26 @@ def _held_case(V, dtype, H, monkeypatch, names, logits="float32"):
     torch.cuda.synchronize()
     assert torch.isnan(per[3]) and torch.isfinite(per[torch.arange(T, device="cuda") != 3]).all()
     assert torch.isnan(loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("logits", ["float32", "input"])
+def test_gpu_bias_grad_from_both_paths_of_one_plan(logits):
+    """One signature's plan serves the forward that stores the logit gradients (5 tokens <= 2 x 8
+    hidden) and the recomputing backward that an lse gradient needs; their column sums read rows
+    of different strides. Each call's gradients (the bias's among them) against the oracle, with
+    the two paths alternating."""
+    T, H, V = 5, 8, 33
+    x, w, y, b, _ = make(T, H, V, dtype=torch.bfloat16, bias=True, seed=3, device="cuda", scale=2.0, grid=True)
+    gz = torch.randn(T, device="cuda")
+    options = cukit.LinearCrossEntropyOptions(logits=logits)
+    cpu = (x.cpu(), w.cpu(), y.cpu(), b.cpu(), None)
+    lce._PLANS.clear()
+    for grad_lse in (None, gz, None, gz):
+        got = _cuda_call(x, w, y, b, None, reduction="mean", options=options, grad_lse=grad_lse)
+        g = None if grad_lse is None else grad_lse.cpu()
+        exp = oracle(*cpu, reduction="mean", grad_lse=g, round_product=logits == "input")
+        _check_gpu(got, exp, "bfloat16", grad_bounds(*cpu, reduction="mean", grad_lse=g))
 
 
 @pytest.mark.gpu

@@ -950,7 +950,8 @@ class DeviceSteps:
         splits = -(-n // _COLSUM_ROWS)
         rps = -(-n // splits)
         cols = -(-self.V // _ELEMENTWISE_BLOCK)
-        main = self._get(("colsum", n), f"ce_colsum<{self.t}>", (cols, splits), (_ELEMENTWISE_BLOCK,),
+        # ldg is in the key: the forward's stored gradient and the backward's workspace differ in it
+        main = self._get(("colsum", n, ldg), f"ce_colsum<{self.t}>", (cols, splits), (_ELEMENTWISE_BLOCK,),
                          (n, self.V, ldg, rps))
         fin = self._get(("colsum_finish", n, first), f"ce_colsum_finish<{self.a}>",
                         (max(1, min(cols, sm_count(self.device) * 8)),), (_ELEMENTWISE_BLOCK,),
