@@ -53,6 +53,10 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
 
 constexpr int kMaxWarps = 32;
 
+template <bool B> struct Bool {
+  static constexpr bool value = B;
+};
+
 // -------------------------------------------------------------------------------------------------
 // Block reductions (fixed order: the results are bitwise reproducible for a launch configuration)
 // -------------------------------------------------------------------------------------------------
@@ -377,6 +381,7 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
   constexpr int VEC = 16 / sizeof(W);
   static_assert(sizeof(acc_t<T>) == sizeof(float), "ce_rows_held runs the float accumulator only");
   static_assert(sizeof(W) == sizeof(A) || sizeof(W) == sizeof(T), "the workspace holds A or T");
+  constexpr bool kInPlace = sizeof(W) == sizeof(A);
   __shared__ Lse<A> red[kMaxWarps + 1];
   __shared__ Lse<A> part[2];
   __shared__ Lse<A> total;
@@ -390,103 +395,132 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
   const bool has_tail = q == 0 && tail0 + tid < V;
   const A w_total = stats[2];
   const A u = grad0 != nullptr ? grad0[0] * stats[1] : A(1);
-  int parity = 0;
+  // The rows' loop, compiled twice for a 16-bit workspace: PLAIN (no bias, no soft-cap, the
+  // common case) re-applies the transform as an unpacking shift; otherwise the compiler keeps
+  // the bias and tanh values it would recompute, and spills.
+  auto rows_loop = [&](auto plain) {
+    int parity = 0;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y, parity ^= 1) {
+      W* row = ws + r * ld;
+      const long long y = static_cast<long long>(target[r]);
+      const bool valid = y != ignore_index;
+      const bool bad = valid && (y < 0 || y >= V);
+      const A w_y = !valid ? A(0) : bad ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
 
-  for (long long r = blockIdx.y; r < rows; r += gridDim.y, parity ^= 1) {
-    W* row = ws + r * ld;
-    const long long y = static_cast<long long>(target[r]);
-    const bool valid = y != ignore_index;
-    const bool bad = valid && (y < 0 || y >= V);
-    const A w_y = !valid ? A(0) : bad ? quiet_nan<A>() : cw != nullptr ? cw[y] : A(1);
-
-    // Every load first (R vectors in flight per thread), then the logits.
-    Vec<W, VEC> raw[R];
+      // Every load first (R vectors in flight per thread), then the logits. A float workspace's
+      // values become logits in place; a 16-bit one stays packed (half the registers: unpacked, the
+      // row and its logits would not fit the 64 registers of two CTAs per SM and would spill) and
+      // each pass re-applies the transform, an unpacking shift where there is no bias or soft-cap.
+      Vec<W, VEC> raw[R];
 #pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int vi = (k * CL + q) * nt + tid;
-      if (vi < nvec) raw[k] = load_vec<W, VEC>(row + vi * VEC);
-    }
-    A tz = has_tail ? to_acc<A>(row[tail0 + tid]) : A(0);
-    const A z_y = q == 0 && tid == 0 && valid && !bad ? logit(to_acc<A>(row[y]), y) : A(0);
-    Vec<A, VEC> h[R];
-    A m = neg_inf<A>();
+      for (int k = 0; k < R; ++k) {
+        const int vi = (k * CL + q) * nt + tid;
+        if (vi < nvec) raw[k] = load_vec<W, VEC>(row + vi * VEC);
+      }
+      A tz = has_tail ? to_acc<A>(row[tail0 + tid]) : A(0);
+      const A z_y = q == 0 && tid == 0 && valid && !bad ? logit(to_acc<A>(row[y]), y) : A(0);
+      if constexpr (kInPlace) {
 #pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int vi = (k * CL + q) * nt + tid;
-      if (vi < nvec) {
+        for (int k = 0; k < R; ++k) {
+          const int vi = (k * CL + q) * nt + tid;
+          if (vi < nvec) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          h[k].v[e] = logit(to_acc<A>(raw[k].v[e]), vi * VEC + e);
-          m = fmax(m, h[k].v[e]);  // NaN is skipped here and poisons the sum below
+            for (int e = 0; e < VEC; ++e) raw[k].v[e] = logit(raw[k].v[e], vi * VEC + e);
+          }
         }
       }
-    }
-    if (has_tail) {
-      tz = logit(tz, tail0 + tid);
-      m = fmax(m, tz);
-    }
-    Lse<A> mine{m, A(0), A(0)};
-    auto add = [&](A z, int c) {
-      mine.s += z != z ? z : m == neg_inf<A>() ? A(0) : exp_<FAST>(z - m);
-      if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
-    };
+      auto z_at = [&](int k, int e, int c) -> A {
+        if constexpr (kInPlace) {
+          return raw[k].v[e];
+        } else if constexpr (decltype(plain)::value) {
+          return to_acc<A>(raw[k].v[e]);
+        } else {
+          return logit(to_acc<A>(raw[k].v[e]), c);
+        }
+      };
+      A m = neg_inf<A>();
 #pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int vi = (k * CL + q) * nt + tid;
-      if (vi < nvec) {
+      for (int k = 0; k < R; ++k) {
+        const int vi = (k * CL + q) * nt + tid;
+        if (vi < nvec) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) add(h[k].v[e], vi * VEC + e);
-      }
-    }
-    if (has_tail) add(tz, tail0 + tid);
-    const Lse<A> blk = block_lse<FAST>(mine, red);
-    if (tid == 0) part[parity] = blk;
-    sm90::cluster_sync();  // every CTA's reads of the row are done; the partial sums are published
-    if (tid < 32) {
-      // lane j takes CTA j's partial sums; a fixed shuffle tree combines them (the same order in
-      // every CTA of the cluster, so each computes the same lse)
-      Lse<A> p{neg_inf<A>(), A(0), A(0)};
-      if (tid < CL) {
-        const ptx::u32 ra =
-            sm90::dsmem_addr(static_cast<ptx::u32>(__cvta_generic_to_shared(&part[parity])), static_cast<ptx::u32>(tid));
-        p = Lse<A>{sm90::ld_dsmem_f32(ra), sm90::ld_dsmem_f32(ra + 4), sm90::ld_dsmem_f32(ra + 8)};
-      }
-#pragma unroll
-      for (int d = CL / 2; d > 0; d >>= 1) {
-        Lse<A> o;
-        o.m = shfl_down(p.m, d);
-        o.s = shfl_down(p.s, d);
-        o.t = shfl_down(p.t, d);
-        p = combine<FAST>(p, o);
-      }
-      if (tid == 0) {
-        total = p;
-        const A row_lse = p.m + log_(p.s);
-        if (q == 0) {
-          lse[r] = row_lse;
-          row_loss[r] = row_loss_of(valid, bad, w_y, eps, zl, A(V), w_total, row_lse, z_y, p.t);
+          // NaN is skipped here and poisons the sum below
+          for (int e = 0; e < VEC; ++e) m = fmax(m, z_at(k, e, vi * VEC + e));
         }
       }
-    }
-    __syncthreads();
-    const Lse<A> all = total;
-    const A row_lse = all.m + log_(all.s);
-
-    // The gradient, from the registers.
-    const RowGrad<A, FAST> rg(valid, bad, w_y, u, A(0), eps, zl, A(V), w_total, row_lse);
-    auto grad = [&](A z, int c) { return rg.template operator()<T>(z, c, y, cw, logit); };
-    T* grow = gout + r * ldg;
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int vi = (k * CL + q) * nt + tid;
-      if (vi < nvec) {
-        Vec<T, VEC> out;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) out.v[e] = grad(h[k].v[e], vi * VEC + e);
-        stg_vec<T, VEC>(grow + vi * VEC, out);
+      if (has_tail) {
+        tz = logit(tz, tail0 + tid);
+        m = fmax(m, tz);
       }
+      Lse<A> mine{m, A(0), A(0)};
+      auto add = [&](A z, int c) {
+        mine.s += z != z ? z : m == neg_inf<A>() ? A(0) : exp_<FAST>(z - m);
+        if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
+      };
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        const int vi = (k * CL + q) * nt + tid;
+        if (vi < nvec) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) add(z_at(k, e, vi * VEC + e), vi * VEC + e);
+        }
+      }
+      if (has_tail) add(tz, tail0 + tid);
+      const Lse<A> blk = block_lse<FAST>(mine, red);
+      if (tid == 0) part[parity] = blk;
+      sm90::cluster_sync();  // every CTA's reads of the row are done; the partial sums are published
+      if (tid < 32) {
+        // lane j takes CTA j's partial sums; a fixed shuffle tree combines them (the same order in
+        // every CTA of the cluster, so each computes the same lse)
+        Lse<A> p{neg_inf<A>(), A(0), A(0)};
+        if (tid < CL) {
+          const ptx::u32 ra =
+              sm90::dsmem_addr(static_cast<ptx::u32>(__cvta_generic_to_shared(&part[parity])),
+                               static_cast<ptx::u32>(tid));
+          p = Lse<A>{sm90::ld_dsmem_f32(ra), sm90::ld_dsmem_f32(ra + 4), sm90::ld_dsmem_f32(ra + 8)};
+        }
+#pragma unroll
+        for (int d = CL / 2; d > 0; d >>= 1) {
+          Lse<A> o;
+          o.m = shfl_down(p.m, d);
+          o.s = shfl_down(p.s, d);
+          o.t = shfl_down(p.t, d);
+          p = combine<FAST>(p, o);
+        }
+        if (tid == 0) {
+          total = p;
+          const A row_lse = p.m + log_(p.s);
+          if (q == 0) {
+            lse[r] = row_lse;
+            row_loss[r] = row_loss_of(valid, bad, w_y, eps, zl, A(V), w_total, row_lse, z_y, p.t);
+          }
+        }
+      }
+      __syncthreads();
+      const Lse<A> all = total;
+      const A row_lse = all.m + log_(all.s);
+
+      // The gradient, from the registers.
+      const RowGrad<A, FAST> rg(valid, bad, w_y, u, A(0), eps, zl, A(V), w_total, row_lse);
+      auto grad = [&](A z, int c) { return rg.template operator()<T>(z, c, y, cw, logit); };
+      T* grow = gout + r * ldg;
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        const int vi = (k * CL + q) * nt + tid;
+        if (vi < nvec) {
+          Vec<T, VEC> out;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) out.v[e] = grad(z_at(k, e, vi * VEC + e), vi * VEC + e);
+          stg_vec<T, VEC>(grow + vi * VEC, out);
+        }
+      }
+      if (has_tail) grow[tail0 + tid] = grad(tz, tail0 + tid);
     }
-    if (has_tail) grow[tail0 + tid] = grad(tz, tail0 + tid);
+  };
+  if (!kInPlace && bias == nullptr && !(softcap_d > 0)) {
+    rows_loop(Bool<true>{});
+  } else {
+    rows_loop(Bool<false>{});
   }
   sm90::cluster_sync();  // no CTA leaves while another may still read its partial sums
 }

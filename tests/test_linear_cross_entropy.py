@@ -1187,6 +1187,35 @@ def _held_case(V, dtype, H, monkeypatch, names, logits="float32"):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,logits", [("bfloat16", "float32"), ("bfloat16", "input"), ("float16", "input"),
+                                          ("float32", "float32")])
+def test_gpu_held_clusters_loop_over_rows_bitwise(dtype, logits, monkeypatch):
+    """ce_rows_held's clusters each take several rows (two clusters for 37 rows, so the partial
+    sums' two buffers alternate many times) and give bitwise the results of a cluster per row: a
+    row's sums do not depend on the cluster that takes it. With and without bias and soft-cap
+    (the 16-bit workspace's two forms of the row loop), ignored rows and a ragged tail."""
+    from cukit._device import device_caps
+
+    V, T = 40001, 37
+    x, w, y, b, cw = make(T, 24, V, dtype=DT[dtype], bias=True, weights=True, seed=5, device="cuda", scale=3.0)
+    if device_caps(x.device.index or 0).cc != 90:
+        pytest.skip("ce_rows_held runs on compute capability 9.0")
+    lo = {"options": cukit.LinearCrossEntropyOptions(logits=logits)}
+    cases = [((b, cw), "mean", {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 20.0}),
+             ((None, None), "sum", {})]
+    one = [_cuda_call(x, w, y, *bc, reduction=red, **o, **lo) for bc, red, o in cases]
+    lce._PLANS.clear()
+    with monkeypatch.context() as m:
+        m.setattr(lce, "sm_count", lambda device: 1)  # 2 clusters (and fewer blocks for ce_rows, casts)
+        few = [_cuda_call(x, w, y, *bc, reduction=red, **o, **lo) for bc, red, o in cases]
+    lce._PLANS.clear()
+    for a, c in zip(one, few, strict=True):
+        for p, q in zip(a, c, strict=True):
+            if p is not None:
+                assert torch.equal(torch.isnan(p), torch.isnan(q)) and torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("logits", ["float32", "input"])
 def test_gpu_bias_grad_from_both_paths_of_one_plan(logits):
     """One signature's plan serves the forward that stores the logit gradients (5 tokens <= 2 x 8

@@ -138,6 +138,11 @@ HELD_CONFIGS = ((2, 8), (4, 8), (8, 8), (8, 16))
 # read of a row hits there: the held kernel's cluster exchange would cost more than it saves.
 HELD_MIN_VOCAB = 16384
 _HELD_THREADS = 512
+# Clusters per SM of a ce_rows_held launch, each looping over rows: a cluster per row spends more
+# on launching its CTAs than on its row, and exactly the resident clusters leave SMs idle while
+# one waits at its barriers; a few times that many measured fastest (benchmarks/NOTES.md, "held
+# rows' clusters").
+_HELD_CLUSTERS_PER_SM = 2
 
 KERNELS_SM90 = KernelModule(
     "cross_entropy.cu",
@@ -920,10 +925,10 @@ class DeviceSteps:
             held = held_config(cols, self.dtype, self.wdt) if device_caps(self.device).cc == 90 else None
             if held is not None:
                 cl, r, threads = held
-                # one cluster per row (up to the grid's y limit; the kernel loops past it): the
-                # hardware places clusters as SMs free up
+                # clusters loop over the rows; the hardware places them as SMs free up
+                clusters = max(1, min(n, _HELD_CLUSTERS_PER_SM * sm_count(self.device)))
                 run = self._launches[key] = KERNELS_SM90.prepare(
-                    f"ce_rows_held<{self.t}, {self.w}, {self.y}, {cl}, {r}>", (cl, max(1, min(n, 65535))), (threads,),
+                    f"ce_rows_held<{self.t}, {self.w}, {self.y}, {cl}, {r}>", (cl, clusters), (threads,),
                     (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap),
                     device=self.device)
         if run is None:
