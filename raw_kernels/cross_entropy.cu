@@ -353,8 +353,8 @@ __global__ void ce_rows(W* ws, T* gout, const T* __restrict__ bias, const Y* __r
 // DRAM as well. Here a cluster of CL CTAs holds one row in registers, R vectors per thread: every
 // element is read once, the CTAs combine their partial log-sum-exps through distributed shared
 // memory, and the gradient is computed from the registers. Needs V <= CL * blockDim.x * R * VEC,
-// VEC = 16 / sizeof(W) (W: the workspace's float or 16-bit T, as in ce_rows; the row is held as
-// float either way, R * VEC floats per thread).
+// VEC = 16 / sizeof(W) (W: the workspace's float or 16-bit T, as in ce_rows; a 16-bit row stays
+// packed in the registers, R * VEC / 2 words per thread).
 //
 // Element layout: vector k of thread t in CTA q (q = blockIdx.x, the rank: gridDim.x == CL) is
 // vector (k CL + q) blockDim.x + t of the row (coalesced for each k); rank 0 also holds the
