@@ -1272,6 +1272,20 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], u32 stg, TC
 // k16 step), so one warpgroup's epilogue runs under the other's mainloop; the mainloops take turns
 // (order_wait / order_signal), which also keeps a warpgroup from waiting on a ring stage more than
 // one phase ahead of the copies (a parity wait cannot tell phase n from phase n - 2).
+// EPI_SCALE_DEVICE runs as EPI_SCALE with alpha times the device scale its bias argument points
+// to (read at each tile's epilogue: an L1 hit after the first) and no bias.
+template <int EPI> constexpr int EPI_OF = EPI == EPI_SCALE_DEVICE ? EPI_SCALE : EPI;
+template <int EPI, typename T> __device__ __forceinline__ const T* epi_bias(const T* bias) {
+  return EPI == EPI_SCALE_DEVICE ? nullptr : bias;
+}
+template <int EPI, typename T> __device__ __forceinline__ float epi_alpha(double alpha, const T* bias) {
+  if constexpr (EPI == EPI_SCALE_DEVICE) {
+    return static_cast<float>(alpha) * *reinterpret_cast<const float*>(bias);
+  } else {
+    return static_cast<float>(alpha);
+  }
+}
+
 template <typename T, int ACT, int A_K, int B_K, int BN, int PP, typename TC = T, int EPI = EPI_STORE>
 __global__ void __launch_bounds__(tma::THREADS, 1)
     matmul_tc_tma(const __grid_constant__ sm90::Map map_a, const __grid_constant__ sm90::Map map_b,
@@ -1402,10 +1416,11 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
       TC* Cz = C + static_cast<long long>(z) * sc;
       const long long r0 = static_cast<long long>(tm) * tc::BM, c0 = static_cast<long long>(tn) * BN;
       // alpha and beta converted here, not kept in registers through the mainloop
-      store_tile<T, TC, ACT, EPI, BN>(d0, out + wg * OUT_BYTES, Cz, bias, static_cast<float>(alpha),
-                                      static_cast<float>(beta), M, N, ldc, r0, c0, wg, warp, lane);
-      store_tile<T, TC, ACT, EPI, BN>(d1, out + wg * OUT_BYTES, Cz, bias, static_cast<float>(alpha),
-                                      static_cast<float>(beta), M, N, ldc, r0 + 64, c0, wg, warp, lane);
+      const float al = epi_alpha<EPI>(alpha, bias);
+      store_tile<T, TC, ACT, EPI_OF<EPI>, BN>(d0, out + wg * OUT_BYTES, Cz, epi_bias<EPI>(bias), al,
+                                              static_cast<float>(beta), M, N, ldc, r0, c0, wg, warp, lane);
+      store_tile<T, TC, ACT, EPI_OF<EPI>, BN>(d1, out + wg * OUT_BYTES, Cz, epi_bias<EPI>(bias), al,
+                                              static_cast<float>(beta), M, N, ldc, r0 + 64, c0, wg, warp, lane);
     }
     return;
   }
@@ -1439,9 +1454,10 @@ __global__ void __launch_bounds__(tma::THREADS, 1)
     }
     sm90::wg_wait<0>(d);
     if (prev >= 0 && lane == 0) mbar_arrive(empty + 8 * prev);
-    store_tile<T, TC, ACT, EPI, BN>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * sc, bias,
-                                    static_cast<float>(alpha), static_cast<float>(beta), M, N, ldc,
-                                    static_cast<long long>(tm) * tc::BM + wg * 64, static_cast<long long>(tn) * BN, wg,
-                                    warp, lane);
+    store_tile<T, TC, ACT, EPI_OF<EPI>, BN>(d, out + wg * OUT_BYTES, C + static_cast<long long>(z) * sc,
+                                            epi_bias<EPI>(bias), epi_alpha<EPI>(alpha, bias),
+                                            static_cast<float>(beta), M, N, ldc,
+                                            static_cast<long long>(tm) * tc::BM + wg * 64,
+                                            static_cast<long long>(tn) * BN, wg, warp, lane);
   }
 }

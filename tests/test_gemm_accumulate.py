@@ -10,6 +10,7 @@ the product's accumulation |alpha| K eps_acc (|A| @ |B|), alpha's and beta's pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from cukit.interop import DTYPES
 from cukit.ops import matmul as mm
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_STORE, GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_SCALE_DEVICE, EPI_STORE, GEMM_SIGNATURE, Gemm
 from cukit.testing import arrays, backend_dtypes, to_numpy
 
 torch = pytest.importorskip("torch")
@@ -258,6 +259,54 @@ def test_gemm_contract_rejects_inconsistent_problems():
         _gemm(batch=(1, 1, 2), sc_batch=12)
     _gemm(M=1, ldc=1)  # one row: its stride is never used
     _gemm(batch=(1, 1, 2), sc_batch=3 * 6 + 6)  # batches back to back
+
+
+def test_gemm_contract_device_scale():
+    """EPI_SCALE_DEVICE: a scaled problem (beta 0, no activation) whose bias argument is the scale's
+    address; the kernels take it from the head as the bias."""
+    g = _gemm(scaled=True, device_scale=True, bias=4096, alpha=1.0)
+    assert (g.epilogue, g.n_head, g.head()[3:]) == (EPI_SCALE_DEVICE, 6, (4096, 1.0, 0.0))
+    for kw in ({"scaled": False}, {"scaled": True, "beta": 1.0}, {"scaled": True, "act": 1}):
+        with pytest.raises(ValueError, match="device_scale needs scaled=True, beta == 0 and no activation"):
+            _gemm(device_scale=True, bias=4096, **kw)
+
+
+def test_families_take_the_device_scale_on_the_tma_kernels_only(monkeypatch):
+    """Which family runs the device scale (device queries answer as an H100 and an A100): the TMA
+    kernels, 16-bit A with C in A's dtype; no other kernel, dtype or device."""
+    from cukit._device import DeviceCaps
+    from cukit.ops import matmul_simt as ms
+    from cukit.ops import matmul_tc as mt
+
+    f32, f16 = DTYPES["float32"], DTYPES["float16"]
+    base = dict(scaled=True, device_scale=True, bias=4096, M=256, N=512, K=128, sa_m=128, sb_k=512, c=1 << 30)
+    monkeypatch.setattr(mt, "device_caps", lambda device: DeviceCaps(90, 132, 227 * 1024))
+    for dt in (DTYPES["bfloat16"], f16):
+        g = _gemm(dtype=dt, **base)
+        assert mt.supports(g) and mt.route(g) == "tma"
+        assert not mt.supports(_gemm(dtype=dt, c_dtype=f32, **base))  # float32 C: the other route
+    assert not mt.supports(_gemm(dtype=f32, precision="tf32", **{**base, "sa_m": 1, "sa_k": 256}))
+    assert not mt.supports(_gemm(**{**base, "sb_k": 513}))  # rows not 16-byte aligned: no TMA
+    assert not ms.supports(_gemm(dtype=f32, **base))
+    monkeypatch.setattr(mt, "device_caps", lambda device: DeviceCaps(80, 108, 163 * 1024))
+    assert not mt.supports(_gemm(**base))
+
+
+def test_gemm_device_scale_cpu_arrays_and_errors():
+    """CPU arrays: False, out untouched (the caller's other route runs); bad arguments raise naming
+    the function and the argument."""
+    a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 6, dtype=torch.bfloat16)
+    out, s = torch.full((4, 6), 7.0, dtype=torch.bfloat16), torch.tensor([0.5])
+    assert mm.gemm_device_scale(a, b, out, s) is False and bool((out == 7).all())
+    fn = "cukit.ops.matmul.gemm_device_scale"
+    with pytest.raises(TypeError, match=f"{fn}: scale must be a 1-element float32 array; got float64"):
+        mm.gemm_device_scale(a, b, out, torch.tensor([0.5], dtype=torch.float64))
+    with pytest.raises(TypeError, match=f"{fn}: scale must be a 1-element float32 array; got float32 of shape \\(2,\\)"):
+        mm.gemm_device_scale(a, b, out, torch.ones(2))
+    with pytest.raises(ValueError, match=f"{fn}: b must have"):
+        mm.gemm_device_scale(a, torch.ones(7, 6, dtype=torch.bfloat16), out, s)
+    with pytest.raises(TypeError, match=f"{fn}: scale must be the same array type as a"):
+        mm.gemm_device_scale(a, b, out, np.ones(1, np.float32))
 
 
 @given(data=st.data())
@@ -519,6 +568,36 @@ def test_gpu_large_dw_accumulation_over_chunks():
     torch.cuda.synchronize()
     ref, bound = expected(g.T[rows], x, None, 1.0, 0.0, "bfloat16", "float32")
     check(out[rows], ref, bound, "4096 x 1024 x 4096")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_gemm_device_scale(dtype):
+    """gemm_device_scale on the TMA kernels: bitwise the float32 product times the scale rounded
+    once (what a float32 gemm and a scaling cast give), over transposed views (a fused loss's
+    G^T X), ragged tiles and a column block of C; the scale is read when the kernel runs (a value
+    written after the plan was made is the one used, with no new plan); elsewhere False."""
+    from cukit.ops import matmul_tc as mt
+
+    torch.manual_seed(2)
+    s = torch.tensor([0.37], device="cuda")
+    for M, N, K, ta, pad in ((136, 264, 64, True, 0), (776, 776, 1032, False, 4), (2104, 2056, 200, True, 8),
+                             (1, 8, 8, False, 0)):
+        a, b = _t((M, K), dtype, transposed=ta), _t((K, N), dtype)
+        out, _ = _out(M, N, dtype, beta=0.0, pad=pad)
+        f32 = torch.empty(M, N, device="cuda")
+        mm.gemm(a, b, f32)
+        g = mm._gemm_problem(a, b, out, "torch", 0, alpha=1.0, beta=0.0, precision="ieee")
+        runs = _hopper() and mt.supports(dataclasses.replace(g, device_scale=True, bias=s.data_ptr()))
+        for value in (0.37, -2.5):
+            s.fill_(value)
+            assert mm.gemm_device_scale(a, b, out, s) is runs, (M, N, K)
+            if runs:
+                torch.testing.assert_close(out, (f32 * s).to(out.dtype), atol=0, rtol=0)
+    if _hopper():
+        a = _t((64, 64), dtype)
+        out = torch.empty(64, 64, dtype=torch.float32, device="cuda")
+        assert mm.gemm_device_scale(a, a, out, s) is False  # float32 C: not this epilogue
 
 
 @gpu

@@ -1236,6 +1236,30 @@ def test_gpu_bias_grad_from_both_paths_of_one_plan(logits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_stored_dw_device_scale_equals_the_blocks(dtype, monkeypatch):
+    """The stored logit gradient's dW (tokens <= 2 x hidden) as one GEMM whose epilogue reads the
+    scale (1 / valid tokens times the upstream gradient) on the device, where the TMA kernels run:
+    bitwise what float32 blocks of classes and a scaling cast give, ignored rows included."""
+    from cukit._device import device_caps
+
+    T, H, V = 96, 64, 5000
+    x, w, y, _, _ = make(T, H, V, dtype=DT[dtype], seed=9, device="cuda", scale=2.0, ignore_frac=0.3)
+    gl = torch.tensor(0.75, device="cuda")
+    ran = []
+    real = lce._matmul.gemm_device_scale
+    monkeypatch.setattr(lce._matmul, "gemm_device_scale", lambda *a: ran.append(real(*a)) or ran[-1])
+    lce._PLANS.clear()
+    got = _cuda_call(x, w, y, None, None, reduction="mean", grad_loss=gl)
+    assert ran == [device_caps(x.device.index or 0).cc == 90]
+    monkeypatch.setattr(lce._matmul, "gemm_device_scale", lambda *a: False)
+    lce._PLANS.clear()
+    blocks = _cuda_call(x, w, y, None, None, reduction="mean", grad_loss=gl)
+    lce._PLANS.clear()
+    assert torch.equal(got[3], blocks[3]) and torch.equal(got[2], blocks[2])
+
+
+@pytest.mark.gpu
 def test_gpu_bad_target_gives_nan_not_a_fault():
     x, w, _, _, _ = make(6, 32, 10, dtype=torch.float32, device="cuda")
     y = torch.tensor([1, 2, 10, 3, -5, -100], device="cuda")

@@ -7,10 +7,13 @@ A :class:`Gemm` describes one launch-ready problem on one device. Its epilogue
     EPI_STORE       C[z, m, n] = act(sum_k A[z, m, k] * B[z, k, n] + bias[n])
     EPI_SCALE       C[z, m, n] = alpha * (sum_k A[z, m, k] * B[z, k, n] + bias[n])
     EPI_ACCUMULATE  C[z, m, n] = alpha * (sum_k A[z, m, k] * B[z, k, n] + bias[n]) + beta * C[z, m, n]
+    EPI_SCALE_DEVICE  C[z, m, n] = alpha * s * sum_k A[z, m, k] * B[z, k, n], s = the float32 at ``bias``
 
 for z in range(batch). EPI_STORE is the matmul path (C in A's dtype, alpha == 1, beta == 0); the
 scaled epilogues take no activation, EPI_SCALE never reads C (beta == 0: C may hold NaN garbage)
-and EPI_ACCUMULATE reads each element of C once before writing it (beta != 0).
+and EPI_ACCUMULATE reads each element of C once before writing it (beta != 0). EPI_SCALE_DEVICE
+(``device_scale=True``: beta 0, no bias) reads its scale on the device when the kernel runs, so a
+scale computed by earlier kernels needs no host sync; only the TMA kernels run it.
 
 - Element strides, not bytes. A is addressed ``A[z, m, k] = a + off_a(z) + m * sa_m + k * sa_k``
   with exactly one of ``sa_m``, ``sa_k`` equal to 1 (the front end copies operands that have no
@@ -47,6 +50,7 @@ from cukit.interop import DType
 __all__ = [
     "EPI_ACCUMULATE",
     "EPI_SCALE",
+    "EPI_SCALE_DEVICE",
     "EPI_STORE",
     "GEMM_SIGNATURE",
     "MAX_BATCH_DIMS",
@@ -63,7 +67,7 @@ GemmRun = Callable[[tuple[Any, ...], Any], None]
 MAX_BATCH_DIMS = 3
 
 # cukit/gemm.cuh's Epilogue.
-EPI_STORE, EPI_SCALE, EPI_ACCUMULATE = 0, 1, 2
+EPI_STORE, EPI_SCALE, EPI_ACCUMULATE, EPI_SCALE_DEVICE = 0, 1, 2, 3
 
 # The kernel parameter list every matmul kernel takes, in this order (see Gemm.kernel_args):
 # A, B, C, bias, alpha, beta, M, N, K, ldc, sc, sa_m, sa_k, sb_k, sb_n, nb0, nb1, nb2, sa0, sa1, sa2,
@@ -101,6 +105,7 @@ class Gemm:
     alpha: float = 1.0
     beta: float = 0.0
     scaled: bool = False  # alpha and beta are launch arguments (see the module docstring)
+    device_scale: bool = False  # EPI_SCALE_DEVICE: ``bias`` points to a float32 scale of the product
 
     def __post_init__(self) -> None:
         if (self.sa_m == 1) == (self.sa_k == 1) and not (self.M <= 1 or self.K <= 1):
@@ -120,6 +125,8 @@ class Gemm:
             raise ValueError(f"C's batches overlap: sc_batch={self.sc_batch} for {self.M} rows of stride {self.ldc}")
         if not self.scaled and (self.alpha != 1.0 or self.beta != 0.0):
             raise ValueError(f"alpha and beta need scaled=True; got alpha={self.alpha}, beta={self.beta}")
+        if self.device_scale and (not self.scaled or self.beta != 0.0 or self.act >= 0):
+            raise ValueError("device_scale needs scaled=True, beta == 0 and no activation")
         if self.act >= 0 and self.epilogue != EPI_STORE:
             raise ValueError(
                 "an activation needs the matmul epilogue (C in A's dtype, alpha == 1, beta == 0, scaled=False)"
@@ -136,8 +143,11 @@ class Gemm:
 
     @property
     def epilogue(self) -> int:
-        """The kernels' EPI: EPI_STORE for the matmul path (not scaled, C in A's dtype), else
-        EPI_ACCUMULATE when beta != 0 and EPI_SCALE when it is 0 (C is then never read)."""
+        """The kernels' EPI: EPI_STORE for the matmul path (not scaled, C in A's dtype),
+        EPI_SCALE_DEVICE for ``device_scale``, else EPI_ACCUMULATE when beta != 0 and EPI_SCALE
+        when it is 0 (C is then never read)."""
+        if self.device_scale:
+            return EPI_SCALE_DEVICE
         if not self.scaled and self.out_dtype.name == self.dtype.name:
             return EPI_STORE
         return EPI_ACCUMULATE if self.beta != 0 else EPI_SCALE

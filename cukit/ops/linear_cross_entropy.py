@@ -1004,15 +1004,31 @@ def stored_dw(g: Any, x: Any, dw: Any, s0: Any, s1: Any, cast: Any) -> Any:
 
 
 def stored_dw_gpu(g: Any, x: Any, vocab: int, dtype: str, s0: Any = None, s1: Any = None) -> Any:
-    """:func:`stored_dw` on the GPU into a new (vocab, H) array of `dtype`: g is the forward's
-    stored gradient buffer (T, ldg), x the input (T, H)."""
+    """``dw = s0[0] s1[0] g^T x`` on the GPU into a new (vocab, H) array of `dtype`: g is the
+    forward's stored gradient buffer (T, ldg), x the input (T, H). One GEMM whose epilogue reads
+    the scale on the device (``cukit.ops.matmul.gemm_device_scale``) where the TMA kernels run,
+    else :func:`stored_dw` (float32 blocks and a scaling cast); either way each element is the
+    float32 product times the scale, rounded once."""
     device = device_of(x)
     stream = current_stream(device, hasattr(x, "data_ptr"))
     dw = _empty((vocab, int(x.shape[1])), dtype, x)
     if hasattr(x, "data_ptr") and x.stride(-1) != 1:
         x = x.contiguous()
+    scale = _scale_product(s0, s1)
+    if scale is not None and _matmul.gemm_device_scale(g[:, :vocab].T, x, dw, scale):
+        return dw
     return stored_dw(g[:, :vocab], x, dw, s0, s1,
                      lambda src, dst, a, b: _scale_cast(src, dst, a, b, 1.0, device, stream))
+
+
+def _scale_product(s0: Any, s1: Any) -> Any:
+    """s0[0] * s1[0] as a 1-element float32 array on their device (as scale_cast forms its scale),
+    or None when both are None."""
+    parts = [s.reshape(1) for s in (s0, s1) if s is not None]
+    parts = [s.float() if hasattr(s, "data_ptr") else s.astype("float32") for s in parts]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] * parts[1]
 
 
 def scale_cast_gpu(src: Any, dtype: str, s0: Any = None, s1: Any = None, factor: float = 1.0, *,

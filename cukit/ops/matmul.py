@@ -78,6 +78,7 @@ __all__ = [
     "chunked_matmul",
     "force_kernel",
     "gemm",
+    "gemm_device_scale",
     "gemm_reference_numpy",
     "gemm_reference_torch",
     "get_matmul_precision",
@@ -1302,6 +1303,81 @@ def gemm(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: float = 0.0, pre
     return out
 
 
+_GEMM_DS = "cukit.ops.matmul.gemm_device_scale"
+
+
+def gemm_device_scale(a: Any, b: Any, out: Any, scale: Any) -> bool:
+    """``out = scale[0] * (a @ b)``, the float32 product scaled and rounded once into out, where
+    ``scale`` is read on the device when the kernel runs: a product scaled by values that earlier
+    kernels computed (a mean loss's 1 / count times its upstream gradient), with no host sync.
+
+    Runs where the TMA kernels do (compute capability 9.0; a, b and out bfloat16 or float16, one
+    dtype, rows 16-byte aligned; :func:`cukit.ops.matmul_tc.supports`) and returns True; elsewhere
+    (other devices and dtypes, CPU arrays) it launches nothing and returns False, and the caller
+    takes another route (a float32 product, then a scaling cast). Arrays as :func:`gemm`'s
+    (2-D or batched 3-D, read in place); scale: a 1-element float32 array of the same kind and
+    device. A signature seen before is a plan-cache lookup and, where it runs, one launch.
+
+    Raises: TypeError / ValueError (arrays as :func:`gemm`'s, scale's kind, dtype, size, device),
+    each naming ``cukit.ops.matmul.gemm_device_scale`` and the argument.
+
+    See also: :func:`gemm` (a host alpha), ``torch.mm(a, b) * scale``.
+    """
+    try:
+        key = (*_gemm_key(a, b, out, False, _PRECISION), "device scale", _scale_sig(scale))
+    except (AttributeError, TypeError):  # not CUDA arrays of one kind: the first call's checks say why
+        return _gemm_device_scale_first(a, b, out, scale, None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        return _gemm_device_scale_first(a, b, out, scale, key)
+    if plan is False:
+        return False
+    if hasattr(a, "data_ptr"):
+        pa, pb, pc, ps = a.data_ptr(), b.data_ptr(), out.data_ptr(), scale.data_ptr()
+        stream = current_stream(a.get_device(), True)
+    else:
+        pa, pb, pc, ps = a.data.ptr, b.data.ptr, out.data.ptr, scale.data.ptr
+        stream = current_stream(a.device.id, False)
+    if plan.ext is not None:
+        _check_disjoint(pa, pb, pc, plan.ext)
+    plan.run((pa, pb, pc, ps, 1.0, 0.0), stream)
+    return True
+
+
+def _scale_sig(scale: Any) -> tuple:
+    if hasattr(scale, "data_ptr"):
+        return (type(scale), scale.shape, scale.dtype, scale.get_device(), scale.data_ptr() & 3)
+    return (type(scale), scale.shape, scale.dtype, scale.device.id, scale.data.ptr & 3)
+
+
+def _gemm_device_scale_first(a: Any, b: Any, out: Any, scale: Any, key: tuple | None) -> bool:
+    fn = _GEMM_DS
+    kind, device = _validate_gemm(a, b, out, fn)
+    _validate_pair(a, scale, "scale", fn=fn)
+    if _dtype_name(scale, kind) != "float32" or math.prod(scale.shape) != 1:
+        raise TypeError(f"{fn}: scale must be a 1-element float32 array; got {_dtype_name(scale, kind)} of shape "
+                        f"{tuple(scale.shape)}")
+    plan: Any = False
+    name, oname = _dtype_name(a, kind), _dtype_name(out, kind)
+    if device is not None and name in _WIDE_OUT and oname == name and math.prod(out.shape) and a.shape[-1]:
+        g = _gemm_problem(a, b, out, kind, device, alpha=1.0, beta=0.0, precision=_PRECISION)
+        g = dataclasses.replace(g, device_scale=True, bias=_ptr(scale, kind))
+        try:
+            mod, g, variant = _plan(g, _FORCED)
+        except NotImplementedError:  # no TMA kernel for it: the caller's other route
+            mod = None
+        if mod is not None:
+            span_c = _span(out, kind)
+            ext = None if span_c is None else (span_c, _span(a, kind), _span(b, kind))
+            if ext is not None:
+                _check_disjoint(_ptr(a, kind), _ptr(b, kind), _ptr(out, kind), ext)
+            plan = _GemmIntoPlan(_prepare(mod, g, variant), ext)
+            plan.run(g.head(), current_stream(device, kind == "torch"))
+    if key is not None:
+        _PLANS.put(key, plan)
+    return plan is not False
+
+
 def _gemm_scalars(alpha: Any, beta: Any) -> tuple[float, float]:
     """alpha and beta as Python floats (the kernels take doubles); TypeError for anything but a
     real number (a 0-d tensor would need a host sync)."""
@@ -1364,9 +1440,8 @@ def _strides_text(x: Any, kind: str) -> str:
     return f"element strides {st}" if st is not None else f"byte strides {tuple(x.strides)}"
 
 
-def _validate_gemm(a: Any, b: Any, out: Any) -> tuple[str, int | None]:
+def _validate_gemm(a: Any, b: Any, out: Any, fn: str = _GEMM) -> tuple[str, int | None]:
     """gemm's checks: (array kind, device), or TypeError/ValueError naming the argument."""
-    fn = _GEMM
     kind, device = _validate_pair(a, b, fn=fn)
     _validate_pair(a, out, "out", fn=fn)
     name = _dtype_name(a, kind)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from cukit._device import sm_count
 from cukit._runtime import KernelModule
 from cukit.interop import DTYPES
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_STORE, GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_SCALE_DEVICE, EPI_STORE, GEMM_SIGNATURE, Gemm
 
 __all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch", "prepare", "supports"]
 
@@ -130,10 +130,12 @@ KERNELS = KernelModule(
 
 
 def supports(g: Gemm) -> bool:
-    """float32 with IEEE precision, or float64; C in the input dtype, any epilogue (the scaled ones
-    without activation)."""
+    """float32 with IEEE precision, or float64; C in the input dtype, any epilogue but the device
+    scale (the scaled ones without activation)."""
     name = g.dtype.name
     if not ((name == "float32" and g.precision == "ieee") or name == "float64") or g.out_dtype.name != name:
+        return False
+    if g.epilogue == EPI_SCALE_DEVICE:
         return False
     return g.epilogue == EPI_STORE or g.act == -1
 

@@ -51,13 +51,14 @@ import numpy as np
 from cukit._device import device_caps
 from cukit._runtime import KernelModule, Launch
 from cukit.interop import DTYPES
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_STORE, GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_SCALE_DEVICE, EPI_STORE, GEMM_SIGNATURE, Gemm
 
 __all__ = [
     "KERNELS",
     "KERNELS_SM90A",
     "LOADS",
     "SCALED",
+    "SCALED_TMA",
     "kernel_name",
     "launch",
     "load_path",
@@ -91,7 +92,13 @@ SCALED: dict[str, tuple[tuple[str, int], ...]] = {
     "float16": tuple((out, epi) for out in ("float32", "float16") for epi in (EPI_SCALE, EPI_ACCUMULATE)),
     "float32": (("float32", EPI_SCALE), ("float32", EPI_ACCUMULATE)),
 }
-_EPI_NAMES = {EPI_SCALE: "scale", EPI_ACCUMULATE: "accumulate"}
+# EPI_SCALE_DEVICE (a scale read on the device): the TMA kernels only, C in the 16-bit input dtype
+# (a fused loss's dW, rounded once after the scale its kernels computed).
+SCALED_TMA: dict[str, tuple[tuple[str, int], ...]] = {
+    "bfloat16": (("bfloat16", EPI_SCALE_DEVICE),),
+    "float16": (("float16", EPI_SCALE_DEVICE),),
+}
+_EPI_NAMES = {EPI_SCALE: "scale", EPI_ACCUMULATE: "accumulate", EPI_SCALE_DEVICE: "scale_device"}
 
 BM, BN, KB, THREADS = 128, 256, 128, 256  # must match raw_kernels/matmul_tc.cu
 STAGE = (BM + BN) * KB  # bytes of one A + B k-tile (48 KiB)
@@ -99,14 +106,15 @@ _MAX_GRID_Z = 65535
 _INT32_MAX = 2**31 - 1
 
 
-def _scaled_args(dtype: str, out: str | None, epi: int) -> str:
+def _scaled_args(dtype: str, out: str | None, epi: int, tma: bool = False) -> str:
     """The trailing template arguments (C's type, EPI) of a scaled instantiation; "" for the
-    matmul epilogue (the kernels' defaults: C in the input type, EPI_STORE)."""
+    matmul epilogue (the kernels' defaults: C in the input type, EPI_STORE). `tma`: the TMA
+    kernel's, which also has :data:`SCALED_TMA`."""
     if epi == EPI_STORE:
         if out not in (None, dtype):
             raise ValueError(f"matmul_tc: the matmul epilogue writes C in the input dtype {dtype}; got {out}")
         return ""
-    if (out or dtype, epi) not in SCALED[dtype]:
+    if (out or dtype, epi) not in SCALED[dtype] + (SCALED_TMA.get(dtype, ()) if tma else ()):
         raise ValueError(f"matmul_tc: no scaled instantiation for {dtype} -> {out or dtype}, epilogue {epi}")
     return f", {DTYPES[out or dtype].ctype}, {epi}"
 
@@ -164,7 +172,7 @@ def tma_name(
     cooperatively, 128 x 128 ping-pong); True/False instantiates the other one (benchmarks).
     `out`, `epi`: as :func:`kernel_name`."""
     pp = TMA_PINGPONG[tile_n] if pingpong is None else pingpong
-    tail = _scaled_args(dtype, out, epi)
+    tail = _scaled_args(dtype, out, epi, tma=True)
     return f"matmul_tc_tma<{DTYPES[dtype].ctype}, {act}, {int(a_k)}, {int(b_k)}, {tile_n}, {int(pp)}{tail}>"
 
 
@@ -240,7 +248,7 @@ KERNELS_SM90A = KernelModule(
                 tma_name(dtype, -1, a, b, bn, out=out, epi=epi) for a, b in layouts
             ]
             for dtype, layouts in _TMA_LAYOUTS.items()
-            for out, epi in SCALED[dtype]
+            for out, epi in SCALED[dtype] + SCALED_TMA.get(dtype, ())
             for bn in TMA_TILE_N
         },
     },
@@ -579,7 +587,8 @@ def _device_caps(device: int) -> tuple[int, int]:
 
 def supports(g: Gemm) -> bool:
     """bfloat16 / float16 (any precision: they always accumulate in fp32), float32 with precision
-    "tf32"; every epilogue (C in the input dtype or, scaled, float32 for 16-bit inputs: :data:`SCALED`);
+    "tf32"; every epilogue (C in the input dtype or, scaled, float32 for 16-bit inputs: :data:`SCALED`;
+    the device scale on the TMA kernels: :data:`SCALED_TMA`);
     on devices of compute capability 8.0+ with room for the tiles in shared memory
     (>= 144 KiB opt-in, >= 204 KiB for misaligned 16-bit operands: A100, H100, H200; not the
     consumer parts, which fall back to the SIMT family)."""
@@ -588,7 +597,10 @@ def supports(g: Gemm) -> bool:
         return False
     if g.act not in ACTS:
         return False
-    if g.epilogue != EPI_STORE and (g.act >= 0 or (g.out_dtype.name, g.epilogue) not in SCALED[name]):
+    if g.epilogue == EPI_SCALE_DEVICE:  # the TMA kernels' epilogue only
+        if (g.out_dtype.name, g.epilogue) not in SCALED_TMA.get(name, ()) or not uses_tma(g):
+            return False
+    elif g.epilogue != EPI_STORE and (g.act >= 0 or (g.out_dtype.name, g.epilogue) not in SCALED[name]):
         return False
     load = load_path(g)
     if load < 0:

@@ -3,6 +3,9 @@
 //   EPI_STORE:      C[z, m, n] = act(sum_k A[z, m, k] B[z, k, n] + bias[n])
 //   EPI_SCALE:      C[z, m, n] = alpha (sum_k A[z, m, k] B[z, k, n] + bias[n])
 //   EPI_ACCUMULATE: C[z, m, n] = alpha (sum_k A[z, m, k] B[z, k, n] + bias[n]) + beta C[z, m, n]
+//   EPI_SCALE_DEVICE: C[z, m, n] = alpha s sum_k A[z, m, k] B[z, k, n], s = *(const float*)bias: a
+//                   scale read on the device when the kernel runs (a loss's 1 / count times its
+//                   upstream gradient: no host sync); this epilogue has no bias. TMA kernel only.
 // C (type TC: A's type, or float for 16-bit A) is addressed C + z * sc + m * ldc + n.
 #pragma once
 #include <cukit/activations.cuh>
@@ -14,7 +17,7 @@ namespace cukit {
 // path: alpha and beta are ignored, the activation applies. The scaled epilogues take no
 // activation; EPI_SCALE never reads C (beta == 0: C may hold NaN), EPI_ACCUMULATE reads each
 // element of C once, before writing it.
-enum Epilogue : int { EPI_STORE = 0, EPI_SCALE = 1, EPI_ACCUMULATE = 2 };
+enum Epilogue : int { EPI_STORE = 0, EPI_SCALE = 1, EPI_ACCUMULATE = 2, EPI_SCALE_DEVICE = 3 };
 
 // Every matmul kernel takes exactly these parameters, in this order. alpha and beta are doubles
 // for every dtype (one kernel signature); kernels use them in the accumulation type.
@@ -58,6 +61,7 @@ template <int ACT, typename A, bool FAST = false> __device__ __forceinline__ A e
 template <int EPI, int ACT, typename A, bool FAST = false>
 __device__ __forceinline__ A epilogue_out(A acc, const A bias_n, const A alpha, const A beta, const A c_old) {
   static_assert(EPI == EPI_STORE || ACT < 0, "the scaled epilogues take no activation");
+  static_assert(EPI != EPI_SCALE_DEVICE, "EPI_SCALE_DEVICE reaches the epilogue as EPI_SCALE with alpha s");
   if constexpr (EPI == EPI_STORE) {
     return epilogue<ACT, A, FAST>(acc, bias_n);
   } else if constexpr (EPI == EPI_SCALE) {
