@@ -598,6 +598,15 @@ def test_gpu_gemm_device_scale(dtype):
         a = _t((64, 64), dtype)
         out = torch.empty(64, 64, dtype=torch.float32, device="cuda")
         assert mm.gemm_device_scale(a, a, out, s) is False  # float32 C: not this epilogue
+        ab = torch.stack([_t((200, 72), dtype) for _ in range(3)])  # batched, one launch
+        bb = torch.stack([_t((72, 136), dtype) for _ in range(3)])
+        out, f32 = torch.empty(3, 200, 136, dtype=ab.dtype, device="cuda"), torch.empty(3, 200, 136, device="cuda")
+        mm.gemm(ab, bb, f32)
+        assert mm.gemm_device_scale(ab, bb, out, s) is True
+        torch.testing.assert_close(out, (f32 * s).to(out.dtype), atol=0, rtol=0)
+        buf = _t((64, 128), dtype)
+        with pytest.raises(ValueError, match=r"cukit\.ops\.matmul\.gemm_device_scale: out must not overlap a or b"):
+            mm.gemm_device_scale(buf[:, :64], _t((64, 64), dtype), buf[:, 32:96], s)
 
 
 @gpu

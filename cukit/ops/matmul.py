@@ -1339,7 +1339,7 @@ def gemm_device_scale(a: Any, b: Any, out: Any, scale: Any) -> bool:
         pa, pb, pc, ps = a.data.ptr, b.data.ptr, out.data.ptr, scale.data.ptr
         stream = current_stream(a.device.id, False)
     if plan.ext is not None:
-        _check_disjoint(pa, pb, pc, plan.ext)
+        _check_disjoint(pa, pb, pc, plan.ext, _GEMM_DS)
     plan.run((pa, pb, pc, ps, 1.0, 0.0), stream)
     return True
 
@@ -1370,7 +1370,7 @@ def _gemm_device_scale_first(a: Any, b: Any, out: Any, scale: Any, key: tuple | 
             span_c = _span(out, kind)
             ext = None if span_c is None else (span_c, _span(a, kind), _span(b, kind))
             if ext is not None:
-                _check_disjoint(_ptr(a, kind), _ptr(b, kind), _ptr(out, kind), ext)
+                _check_disjoint(_ptr(a, kind), _ptr(b, kind), _ptr(out, kind), ext, fn)
             plan = _GemmIntoPlan(_prepare(mod, g, variant), ext)
             plan.run(g.head(), current_stream(device, kind == "torch"))
     if key is not None:
@@ -1426,13 +1426,13 @@ def _span(x: Any, kind: str) -> tuple[int, int] | None:
     return ext[0] - p, ext[1] - p
 
 
-def _check_disjoint(pa: int, pb: int, pc: int, ext: tuple) -> None:
-    """ValueError when out's byte range (at pc) meets a's (pa) or b's (pb): ext is (out's span,
-    a's span or None, b's span or None), spans relative to the pointers."""
+def _check_disjoint(pa: int, pb: int, pc: int, ext: tuple, fn: str = _GEMM) -> None:
+    """ValueError naming `fn` when out's byte range (at pc) meets a's (pa) or b's (pb): ext is
+    (out's span, a's span or None, b's span or None), spans relative to the pointers."""
     (c0, c1), sa, sb = ext
     lo, hi = pc + c0, pc + c1
     if (sa is not None and pa + sa[0] < hi and lo < pa + sa[1]) or (sb is not None and pb + sb[0] < hi and lo < pb + sb[1]):
-        raise ValueError(_OVERLAP)
+        raise ValueError(_OVERLAP.replace(_GEMM, fn))
 
 
 def _strides_text(x: Any, kind: str) -> str:
