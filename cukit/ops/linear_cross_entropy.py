@@ -380,10 +380,10 @@ def stores_logit_grads(tokens: int, hidden: int, vocab: int, dtype: str, accumul
     """Whether the forward of 'mean' / 'sum' with a dW wanted keeps every token's logit gradient,
     G (tokens x vocab, in the input dtype), instead of accumulating dW chunk by chunk in float32.
 
-    With G the backward makes dW in one GEMM over all tokens (the float32 products of each block of
-    classes rounded once, after the reduction's scale and the upstream gradient, as the float32
-    accumulator is): no dW read and written per chunk, and a GEMM whose K is every token rather
-    than a chunk's. Chosen for 16-bit inputs with float32 accumulation where G is no larger than
+    With G the backward makes dW with K = every token (:func:`stored_dw_gpu`: one GEMM whose
+    epilogue applies the reduction's scale and the upstream gradient, read on the device, where
+    the TMA kernels run; elsewhere the float32 products of each block of classes, scaled and
+    rounded once, as the float32 accumulator is): no dW read and written per chunk. Chosen for 16-bit inputs with float32 accumulation where G is no larger than
     the float32 dW it replaces (tokens <= 2 x hidden), so the peak never grows.
     """
     return (dtype in ("bfloat16", "float16") and accumulate == "float32" and reduction != "none"
