@@ -438,34 +438,64 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
           return logit(to_acc<A>(raw[k].v[e]), c);
         }
       };
-      A m = neg_inf<A>();
+      Lse<A> mine{neg_inf<A>(), A(0), A(0)};
+      if constexpr (kInPlace || decltype(plain)::value) {
+        // the max, then the sum of exponentials (values at hand: in place, or one unpacking shift)
+        A m = neg_inf<A>();
 #pragma unroll
-      for (int k = 0; k < R; ++k) {
-        const int vi = (k * CL + q) * nt + tid;
-        if (vi < nvec) {
+        for (int k = 0; k < R; ++k) {
+          const int vi = (k * CL + q) * nt + tid;
+          if (vi < nvec) {
 #pragma unroll
-          // NaN is skipped here and poisons the sum below
-          for (int e = 0; e < VEC; ++e) m = fmax(m, z_at(k, e, vi * VEC + e));
+            // NaN is skipped here and poisons the sum below
+            for (int e = 0; e < VEC; ++e) m = fmax(m, z_at(k, e, vi * VEC + e));
+          }
+        }
+        if (has_tail) {
+          tz = logit(tz, tail0 + tid);
+          m = fmax(m, tz);
+        }
+        mine.m = m;
+        auto add = [&](A z, int c) {
+          mine.s += z != z ? z : m == neg_inf<A>() ? A(0) : exp_<FAST>(z - m);
+          if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
+        };
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+          const int vi = (k * CL + q) * nt + tid;
+          if (vi < nvec) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) add(z_at(k, e, vi * VEC + e), vi * VEC + e);
+          }
+        }
+        if (has_tail) add(tz, tail0 + tid);
+      } else {
+        // With a bias or soft-cap, one online pass (the sum rescaled when the max grows): two
+        // passes would let the compiler keep the row's logits between them, and spill.
+        auto take = [&](A z, int c) {
+          if (z > mine.m) {
+            mine.s = mine.s * exp_<FAST>(mine.m - z) + A(1);
+            mine.m = z;
+          } else if (z == z) {
+            mine.s += mine.m == neg_inf<A>() ? A(0) : exp_<FAST>(z - mine.m);
+          } else {
+            mine.s = z;
+          }
+          if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
+        };
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+          const int vi = (k * CL + q) * nt + tid;
+          if (vi < nvec) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) take(z_at(k, e, vi * VEC + e), vi * VEC + e);
+          }
+        }
+        if (has_tail) {
+          tz = logit(tz, tail0 + tid);
+          take(tz, tail0 + tid);
         }
       }
-      if (has_tail) {
-        tz = logit(tz, tail0 + tid);
-        m = fmax(m, tz);
-      }
-      Lse<A> mine{m, A(0), A(0)};
-      auto add = [&](A z, int c) {
-        mine.s += z != z ? z : m == neg_inf<A>() ? A(0) : exp_<FAST>(z - m);
-        if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
-      };
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        const int vi = (k * CL + q) * nt + tid;
-        if (vi < nvec) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) add(z_at(k, e, vi * VEC + e), vi * VEC + e);
-        }
-      }
-      if (has_tail) add(tz, tail0 + tid);
       const Lse<A> blk = block_lse<FAST>(mine, red);
       if (tid == 0) part[parity] = blk;
       sm90::cluster_sync();  // every CTA's reads of the row are done; the partial sums are published
