@@ -396,8 +396,9 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
   const A w_total = stats[2];
   const A u = grad0 != nullptr ? grad0[0] * stats[1] : A(1);
   // The rows' loop, compiled twice for a 16-bit workspace: PLAIN (no bias, no soft-cap, the
-  // common case) re-applies the transform as an unpacking shift; otherwise the compiler keeps
-  // the bias and tanh values it would recompute, and spills.
+  // common case) re-applies the transform, an unpacking shift, in each pass; otherwise each logit
+  // is formed once before the barrier (one online pass) and once after it, because between two
+  // passes the compiler would keep the bias and tanh values, and spill.
   auto rows_loop = [&](auto plain) {
     int parity = 0;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y, parity ^= 1) {
