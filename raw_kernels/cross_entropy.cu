@@ -81,6 +81,20 @@ template <bool FAST, typename A> __device__ __forceinline__ Lse<A> combine(Lse<A
   return r;
 }
 
+// One element z into a running log-sum-exp, one exp per element: the sum is rescaled only when
+// the running max grows (rarely, after the first elements). -inf adds 0 (also when the max is
+// still -inf); NaN poisons the sum.
+template <bool FAST, typename A> __device__ __forceinline__ void lse_take(Lse<A>& acc, A z) {
+  if (z > acc.m) {
+    acc.s = acc.s * exp_<FAST>(acc.m - z) + A(1);
+    acc.m = z;
+  } else if (z == z) {
+    acc.s += acc.m == neg_inf<A>() ? A(0) : exp_<FAST>(z - acc.m);
+  } else {
+    acc.s = z;
+  }
+}
+
 template <typename A> __device__ __forceinline__ A shfl_down(A v, int d) { return __shfl_down_sync(0xffffffffu, v, d); }
 
 // The block's combined Lse, valid in every thread. Uses (and ends with a barrier on) `red`.
@@ -266,17 +280,8 @@ __global__ void ce_rows(W* ws, T* gout, const T* __restrict__ bias, const Y* __r
     if constexpr (MODE != MODE_REGRAD) {
       // Pass 1: online max / sum of exp over the row, two vectors in flight per thread.
       Lse<A> acc{neg_inf<A>(), A(0), A(0)};
-      // One exp per element: the sum is rescaled only when the running max grows (rarely, after
-      // the first elements). -inf adds 0 (also when the max is still -inf); NaN poisons the sum.
       auto take = [&](A z, long long c) {
-        if (z > acc.m) {
-          acc.s = acc.s * exp_<FAST>(acc.m - z) + A(1);
-          acc.m = z;
-        } else if (z == z) {
-          acc.s += acc.m == neg_inf<A>() ? A(0) : exp_<FAST>(z - acc.m);
-        } else {
-          acc.s = z;
-        }
+        lse_take<FAST>(acc, z);
         if (eps != A(0)) acc.t += cw_cols != nullptr ? cw_cols[c] * z : z;
       };
       for (long long v = tid; v < nvec; v += 2 * static_cast<long long>(nt)) {
@@ -474,14 +479,7 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
         // With a bias or soft-cap, one online pass (the sum rescaled when the max grows): two
         // passes would let the compiler keep the row's logits between them, and spill.
         auto take = [&](A z, int c) {
-          if (z > mine.m) {
-            mine.s = mine.s * exp_<FAST>(mine.m - z) + A(1);
-            mine.m = z;
-          } else if (z == z) {
-            mine.s += mine.m == neg_inf<A>() ? A(0) : exp_<FAST>(z - mine.m);
-          } else {
-            mine.s = z;
-          }
+          lse_take<FAST>(mine, z);
           if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
         };
 #pragma unroll
