@@ -803,7 +803,10 @@ def test_device_steps_cache_a_launch_per_row_stride(monkeypatch):
     """DeviceSteps bakes each launch's scalar arguments, so calls that differ in one need launches
     of their own: the column sums of the forward's stored gradient (16-byte rows) and of the
     backward's workspace (32-byte rows) in one plan read rows of different strides (a launch
-    cached by the row count alone summed the wrong elements of the other)."""
+    cached by the row count alone summed the wrong elements of the other). Every launch is
+    prepared once per argument set."""
+    from cukit._device import DeviceCaps
+
     prepared = []
     monkeypatch.setattr(lce.KERNELS, "prepare", lambda name, grid, block, tail, **k: (
         prepared.append((name, tail)) or (lambda args, stream: None)))
@@ -814,6 +817,18 @@ def test_device_steps_cache_a_launch_per_row_stride(monkeypatch):
         steps.colsum(None, ldg, None, None, 5, True, None)
     strides = [tail[2] for name, tail in prepared if name.startswith("ce_colsum<")]
     assert strides == [lce.stored_ld(33), lce._ld(33, 2)]
+    # every launch: one per distinct argument set, reused on a repeat (ce_rows off Hopper)
+    monkeypatch.setattr(lce, "device_caps", lambda device: DeviceCaps(80, 4, 163 * 1024))
+    prepared.clear()
+    for n in (5, 7, 5):
+        steps.stats(None, None, None, n, None)
+        steps.total(None, None, None, n, None)
+        for ld in (lce._ld(33, 2), 2 * lce._ld(33, 2), lce._ld(33, 2)):
+            steps.rows(lce.MODE_GRAD, None, None, None, None, None, None, None, None, None, None, 0, n, None, ld=ld)
+    counts = {}
+    for name, _ in prepared:
+        counts[name.split("<")[0]] = counts.get(name.split("<")[0], 0) + 1
+    assert counts == {"ce_stats": 2, "ce_total": 2, "ce_rows": 4}
 
 
 def test_held_config_covers_the_row_and_prefers_two_ctas_per_sm():

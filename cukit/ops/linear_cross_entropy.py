@@ -893,7 +893,11 @@ class DeviceSteps:
         self.device, self.V, self.ld, self.spec = device, vocab, ld, spec
         self._launches: dict[tuple, Any] = {}
 
-    def _get(self, key: tuple, name: str, grid: tuple[int, ...], block: tuple[int, ...], tail: tuple) -> Any:
+    def _get(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], tail: tuple) -> Any:
+        """`name`'s launch, prepared once per (grid, block, scalar arguments): the arguments are
+        baked into it, so a call that differs in any of them (the forward's stored gradient and the
+        backward's workspace differ in their row strides) gets a launch of its own."""
+        key = (name, grid, block, tail)
         run = self._launches.get(key)
         if run is None:
             run = self._launches[key] = KERNELS.prepare(name, grid, block, tail, device=self.device)
@@ -902,7 +906,7 @@ class DeviceSteps:
     def stats(self, target: Any, cw: Any, stats: Any, n: int, stream: Any) -> None:
         """stats = [scale of the loss, scale of the gradients, sum of the class weights]."""
         sp = self.spec
-        run = self._get(("stats", n), f"ce_stats<{self.a}, {self.y}>", (1,), (1024,),
+        run = self._get(f"ce_stats<{self.a}, {self.y}>", (1,), (1024,),
                         (n, self.V, sp.ignore_index, int(sp.reduction == "mean")))
         run((_ptr(target), _ptr(cw), _ptr(stats)), stream)
 
@@ -935,8 +939,10 @@ class DeviceSteps:
             nvec = -(-cols // _vec(self.wdt))
             threads = min(_ROW_THREADS, max(32, -(-nvec // 32) * 32))
             grid = max(1, min(n, sm_count(self.device) * _ROW_BLOCKS_PER_SM))
-            run = self._get(key, f"ce_rows<{self.t}, {self.w}, {self.y}, {mode}>", (grid,), (threads,),
-                            (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap))
+            # kept by the short key, which fixes every argument (the spec is the plan's): one lookup per chunk
+            run = self._launches[key] = KERNELS.prepare(
+                f"ce_rows<{self.t}, {self.w}, {self.y}, {mode}>", (grid,), (threads,),
+                (n, cols, ld, ldo, self.V, sp.ignore_index, sp.label_smoothing, sp.z_loss, sp.softcap), device=self.device)
         a = self.asize * r0
 
         def at(x: Any) -> int:
@@ -947,7 +953,7 @@ class DeviceSteps:
 
     def total(self, row_loss: Any, stats: Any, out: Any, n: int, stream: Any) -> None:
         """out = stats[0] * sum(row_loss)."""
-        self._get(("total", n), f"ce_total<{self.a}>", (1,), (1024,), (n,))(
+        self._get(f"ce_total<{self.a}>", (1,), (1024,), (n,))(
             (_ptr(row_loss), _ptr(stats), _ptr(out)), stream)
 
     def colsum(self, g: Any, ldg: int, partial: Any, acc: Any, n: int, first: bool, stream: Any) -> None:
@@ -955,10 +961,8 @@ class DeviceSteps:
         splits = -(-n // _COLSUM_ROWS)
         rps = -(-n // splits)
         cols = -(-self.V // _ELEMENTWISE_BLOCK)
-        # ldg is in the key: the forward's stored gradient and the backward's workspace differ in it
-        main = self._get(("colsum", n, ldg), f"ce_colsum<{self.t}>", (cols, splits), (_ELEMENTWISE_BLOCK,),
-                         (n, self.V, ldg, rps))
-        fin = self._get(("colsum_finish", n, first), f"ce_colsum_finish<{self.a}>",
+        main = self._get(f"ce_colsum<{self.t}>", (cols, splits), (_ELEMENTWISE_BLOCK,), (n, self.V, ldg, rps))
+        fin = self._get(f"ce_colsum_finish<{self.a}>",
                         (max(1, min(cols, sm_count(self.device) * 8)),), (_ELEMENTWISE_BLOCK,),
                         (splits, self.V, int(not first)))
         main((_ptr(g), _ptr(partial)), stream)
