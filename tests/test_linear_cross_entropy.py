@@ -920,6 +920,9 @@ def tiny_llama(dtype=torch.float32, cls_name="LlamaForCausalLM", **cfg):
     # skips only the tests that build a model: the rest of the module runs without transformers
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
+    if cls_name == "GPT2LMHeadModel":  # lm_head tied to the token embedding
+        config = transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=32, **cfg)
+        return transformers.GPT2LMHeadModel(config).to(dtype)
     if cls_name == "Gemma2ForCausalLM":
         config = transformers.Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -934,12 +937,14 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("cls_name", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
+@pytest.mark.parametrize("cls_name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "GPT2LMHeadModel"])
 @pytest.mark.parametrize("num_items", [None, 13])
 def test_patch_lm_head_loss_matches_stock(cls_name, num_items):
-    stock = tiny_llama(cls_name=cls_name)
+    stock = tiny_llama(cls_name=cls_name).eval()  # GPT-2's dropout off: both sides see the same maths
     patched = cukit.nn.patch(copy.deepcopy(stock))
     assert patched.cukit_patch_report.counts.get("lm_head_loss") == 1
+    if cls_name == "GPT2LMHeadModel":
+        assert patched.lm_head.weight is patched.transformer.wte.weight  # still tied
     ids = torch.randint(0, 61, (2, 9))
     labels = ids.clone()
     labels[0, :4] = -100
@@ -1003,7 +1008,7 @@ def test_patch_lm_head_loss_skips_what_it_cannot_reproduce():
             return self.lm_head(self.model(x)) * self.logit_scale
 
     report = cukit.nn.patch(ScaledForCausalLM(), linear=False).cukit_patch_report
-    assert any("not known to be Llama-style" in c.what for c in report.skipped if c.rule == "lm_head_loss")
+    assert any("not known to be Llama- or GPT-2-style" in c.what for c in report.skipped if c.rule == "lm_head_loss")
     m2 = cukit.nn.patch(tiny_llama(), lm_head_loss=False)
     assert "lm_head_loss" not in m2.cukit_patch_report.counts
 
@@ -1465,11 +1470,19 @@ def test_gpu_cupy_arrays_forward():
 
 
 @pytest.mark.gpu
-def test_gpu_patch_lm_head_loss_bf16():
-    stock = tiny_llama(torch.bfloat16).cuda()
+@pytest.mark.parametrize("cls_name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_gpu_patch_lm_head_loss_bf16(cls_name):
+    stock = tiny_llama(torch.bfloat16, cls_name=cls_name).cuda().eval()
     patched = cukit.nn.patch(copy.deepcopy(stock))
-    ids = torch.randint(0, 61, (4, 33), device="cuda")
+    assert patched.cukit_patch_report.counts.get("lm_head_loss") == 1
+    ids = torch.randint(0, 61, (4, 31), device="cuda")
     a = stock(input_ids=ids, labels=ids)
     b = patched(input_ids=ids, labels=ids)
     assert b.logits is None
     assert abs(float(a.loss) - float(b.loss)) < 3e-2  # both round the logits; the patched blocks round their own way
+    a.loss.backward()
+    b.loss.backward()
+    # GPT-2's lm_head is the token embedding: its gradient sums the loss's dW and the lookup's
+    w_a, w_b = stock.get_output_embeddings().weight, patched.get_output_embeddings().weight
+    assert w_b is patched.get_input_embeddings().weight or cls_name != "GPT2LMHeadModel"
+    assert_close(w_b.grad.float(), w_a.grad.float(), atol=3e-2, rtol=5e-2)

@@ -1,6 +1,6 @@
 """``cukit.nn.LinearCrossEntropy`` (a linear layer and its cross-entropy loss in one module, never
 storing the logits) and the ``cukit.nn.patch`` rule "lm_head_loss", which makes a Hugging Face
-``*ForCausalLM`` model compute its training loss that way."""
+``*ForCausalLM`` (or GPT-2) model compute its training loss that way."""
 
 from __future__ import annotations
 
@@ -189,7 +189,11 @@ _CAUSAL_LM_READS = frozenset({
 })
 # (transformers before 5.2x sliced inline: `slice(-logits_to_keep, None) if isinstance(...)`)
 _CAUSAL_LM_READS_INLINE_SLICE = (_CAUSAL_LM_READS - {"slice_logits_to_keep"}) | {"int", "isinstance", "slice"}
-_KNOWN_READS = (_CAUSAL_LM_READS, _CAUSAL_LM_READS_INLINE_SLICE)
+# GPT-2's (GPT2LMHeadModel, GPTBigCode): the same steps over `transformer`, with cross-attentions
+_GPT2_READS = (_CAUSAL_LM_READS_INLINE_SLICE - {"model", "CausalLMOutputWithPast"}) | {
+    "transformer", "CausalLMOutputWithCrossAttentions", "cross_attentions"}
+# Each known forward's reads -> the attribute that holds the model's body
+_KNOWN_FORMS = {_CAUSAL_LM_READS: "model", _CAUSAL_LM_READS_INLINE_SLICE: "model", _GPT2_READS: "transformer"}
 # ... and Gemma 2/3's final-logit soft-capping on top (applied here as softcap)
 _SOFTCAP_READS = frozenset({"final_logit_softcapping", "tanh", "torch"})
 _PATCHED: dict[type, type] = {}
@@ -243,23 +247,28 @@ def _patched_class(cls: type, softcap: bool) -> type:
 
 @register_rule("lm_head_loss")
 def _lm_head_loss(name: str, m: nn.Module, ctx: PatchContext) -> list[Change]:
-    """HF *ForCausalLM: labels -> cukit.linear_cross_entropy over lm_head, logits never made."""
+    """HF *ForCausalLM and GPT2LMHeadModel: labels -> cukit.linear_cross_entropy over lm_head,
+    logits never made."""
     cls = type(m)
-    if not cls.__name__.endswith("ForCausalLM") or getattr(cls, "_cukit_lm_head_loss", False):
+    if not cls.__name__.endswith(("ForCausalLM", "LMHeadModel")) or getattr(cls, "_cukit_lm_head_loss", False):
         return []
-    head, body = m._modules.get("lm_head"), m._modules.get("model")
     what = f"{cls.__name__}: "
+    reads = _reads(cls.forward)
+    form = _KNOWN_FORMS.get(reads)
+    softcap = form is None and reads >= _SOFTCAP_READS and reads - _SOFTCAP_READS in _KNOWN_FORMS
+    if softcap:
+        form = _KNOWN_FORMS[reads - _SOFTCAP_READS]
+    if form is None:
+        known = min(_KNOWN_FORMS, key=lambda k: len(reads ^ k))  # the nearest known form, to name the difference
+        extra, missing = sorted(reads - known - _SOFTCAP_READS), sorted(known - reads)
+        diff = "; ".join(f"{w} {', '.join(d[:6])}" for w, d in (("also reads", extra), ("does not read", missing)) if d)
+        return [Change(name, what + f"forward {diff}: not known to be Llama- or GPT-2-style", skipped=True)]
+    head, body = m._modules.get("lm_head"), m._modules.get(form)
     if body is None or type(head) not in (nn.Linear, Linear):
         got = "none" if head is None else type(head).__name__
-        return [Change(name, what + f"needs `model` and an nn.Linear `lm_head` (got lm_head {got})", skipped=True)]
+        return [Change(name, what + f"needs `{form}` and an nn.Linear `lm_head` (got lm_head {got})", skipped=True)]
     if isinstance(head, Linear) and head.activation is not None:
         return [Change(name, what + f"lm_head applies {head.activation!r}", skipped=True)]
-    reads = _reads(cls.forward)
-    softcap = any(reads == known | _SOFTCAP_READS for known in _KNOWN_READS)
-    if reads not in _KNOWN_READS and not softcap:
-        extra, missing = sorted(reads - _CAUSAL_LM_READS - _SOFTCAP_READS), sorted(_CAUSAL_LM_READS - reads)
-        diff = "; ".join(f"{w} {', '.join(d[:6])}" for w, d in (("also reads", extra), ("does not read", missing)) if d)
-        return [Change(name, what + f"forward {diff}: not known to be Llama-style", skipped=True)]
     reason = _hooks(head, inputs_too=True) or _instance_forward(head) or _instance_forward(m)
     if reason:
         return [Change(name, what + f"lm_head's loss not fused: {reason}", skipped=True)]
