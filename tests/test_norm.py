@@ -488,7 +488,17 @@ def test_rms_norm_module():
         cukit.nn.RMSNorm(4, cast="t5")
 
 
-def test_layer_norm_module_is_a_drop_in():
+@pytest.mark.parametrize("min_bytes", [None, 0])
+def test_layer_norm_module_is_a_drop_in(min_bytes, monkeypatch):
+    """Over recompute.MIN_BYTES (0 here: every size) the module runs cukit.layer_norm; under it
+    (these 160 bytes by default) torch's layer_norm: the same results either way."""
+    import cukit.nn.norm as nn_norm
+    from cukit.nn import recompute
+
+    if min_bytes is not None:
+        monkeypatch.setattr(recompute, "MIN_BYTES", min_bytes)
+    calls = []
+    monkeypatch.setattr(nn_norm, "cukit_layer_norm", lambda *a: calls.append(1) or cukit.layer_norm(*a))
     torch.manual_seed(0)
     ref = torch.nn.LayerNorm(10)
     torch.manual_seed(0)
@@ -498,10 +508,16 @@ def test_layer_norm_module_is_a_drop_in():
         m.weight.normal_()
         m.bias.normal_()
     ref.load_state_dict(m.state_dict())
-    x = torch.randn(4, 10)
+    x = torch.randn(4, 10, requires_grad=True)
     torch.testing.assert_close(m(x), ref(x))
+    assert len(calls) == (0 if min_bytes is None else 1)
+    gx, gw, gb = torch.autograd.grad(m(x).square().sum(), (x, m.weight, m.bias))
+    for a, b in zip((gx, gw, gb), torch.autograd.grad(ref(x).square().sum(), (x, ref.weight, ref.bias)), strict=True):
+        torch.testing.assert_close(a, b)
+    calls.clear()
     two = cukit.nn.LayerNorm((3, 10), elementwise_affine=False)  # more than one dim: torch's own
     torch.testing.assert_close(two(torch.randn(2, 3, 10)).std(), torch.tensor(1.0), atol=0.1, rtol=0.1)
+    assert not calls
     assert cukit.nn.LayerNorm(10, bias=False).bias is None
 
 

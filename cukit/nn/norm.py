@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cukit.nn import recompute
 from cukit.nn._patch import Change, PatchContext, _instance_forward, _type_name, register_rule
 from cukit.nn.recompute import RECORDERS, record
 from cukit.ops.norm import check_cast, check_number
@@ -76,7 +77,11 @@ class LayerNorm(nn.LayerNorm):
     """``torch.nn.LayerNorm`` (a subclass: same arguments, parameters, initialisation and
     ``state_dict``) whose forward runs ``cukit.layer_norm`` when it normalises one dimension (the
     last): one kernel on CUDA, statistics in float32. A longer ``normalized_shape`` runs torch's
-    layer_norm.
+    layer_norm, and so does an x under ``cukit.nn.recompute.MIN_BYTES`` (16 MiB): torch's
+    layer_norm is one fused kernel behind a C++ autograd node, and at such sizes a model's step is
+    bound by its host, where cukit's Python autograd node costs more than its faster kernel saves
+    (GPT-2 small at 8 x 512 tokens: 6 MiB per norm; see benchmarks/NOTES.md). Set that constant to
+    0 for cukit's kernel at every size.
 
     Args: as ``torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
     device=None, dtype=None)``.
@@ -87,7 +92,7 @@ class LayerNorm(nn.LayerNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.normalized_shape) != 1:
+        if len(self.normalized_shape) != 1 or x.numel() * x.element_size() < recompute.MIN_BYTES:
             return super().forward(x)
         shape, w, b, eps = self.normalized_shape, self.weight, self.bias, self.eps
         y = cukit_layer_norm(x, shape, w, b, eps)

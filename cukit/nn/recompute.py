@@ -50,7 +50,8 @@ __all__ = ["recomputing"]
 #: The smallest output a scope recomputes (bytes); a scoped module whose first floating-point input
 #: is smaller enters no scope at all (no hooks). The patch rule's blocks are scoped by it: a
 #: 6-layer, 768-hidden Llama at 4,096 tokens (6 MiB per norm output) stays stored, an 8-layer,
-#: 2,048-hidden one at 8,192 tokens (32 MiB) is recomputed.
+#: 2,048-hidden one at 8,192 tokens (32 MiB) is recomputed. ``cukit.nn.LayerNorm`` runs torch's
+#: own layer_norm under it (the same reason: below it a model's step is bound by its host).
 MIN_BYTES = 16 << 20
 
 
