@@ -920,9 +920,11 @@ def tiny_llama(dtype=torch.float32, cls_name="LlamaForCausalLM", **cfg):
     # skips only the tests that build a model: the rest of the module runs without transformers
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if cls_name == "GPT2LMHeadModel":  # lm_head tied to the token embedding
-        config = transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=32, **cfg)
-        return transformers.GPT2LMHeadModel(config).to(dtype)
+    if cls_name in ("GPT2LMHeadModel", "GPTBigCodeForCausalLM"):  # lm_head tied to the token embedding
+        prefix = cls_name.removesuffix("LMHeadModel").removesuffix("ForCausalLM")
+        config = getattr(transformers, prefix + "Config")(vocab_size=61, n_embd=32, n_layer=2, n_head=4,
+                                                          n_positions=32, **cfg)
+        return getattr(transformers, cls_name)(config).to(dtype)
     if cls_name == "Gemma2ForCausalLM":
         config = transformers.Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -937,13 +939,14 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("cls_name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("cls_name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "GPT2LMHeadModel",
+                                      "GPTBigCodeForCausalLM"])
 @pytest.mark.parametrize("num_items", [None, 13])
 def test_patch_lm_head_loss_matches_stock(cls_name, num_items):
     stock = tiny_llama(cls_name=cls_name).eval()  # GPT-2's dropout off: both sides see the same maths
     patched = cukit.nn.patch(copy.deepcopy(stock))
     assert patched.cukit_patch_report.counts.get("lm_head_loss") == 1
-    if cls_name == "GPT2LMHeadModel":
+    if cls_name in ("GPT2LMHeadModel", "GPTBigCodeForCausalLM"):
         assert patched.lm_head.weight is patched.transformer.wte.weight  # still tied
     ids = torch.randint(0, 61, (2, 9))
     labels = ids.clone()

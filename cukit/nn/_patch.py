@@ -186,7 +186,7 @@ def patch(
             ``cukit.rotary_embedding`` on q and k in place of the two rotations.
         conv2d=True: ``torch.nn.Conv2d`` -> ``cukit.nn.Conv2d`` (implicit GEMM), with a following
             ReLU/GELU/SiLU in an ``nn.Sequential`` fused into it while fuse_activations is on.
-        lm_head_loss=True: ``*ForCausalLM`` (Llama-style) or ``GPT2LMHeadModel`` called with
+        lm_head_loss=True: ``*ForCausalLM`` (Llama- or GPT-2-style) or ``GPT2LMHeadModel`` called with
             ``labels`` -> ``cukit.linear_cross_entropy`` over ``lm_head`` (the logits are never
             made); calls without labels are unchanged.
         rms_norm=True: transformers' RMSNorm modules (Llama-, Gemma- and OLMo-2-style) and

@@ -189,11 +189,13 @@ _CAUSAL_LM_READS = frozenset({
 })
 # (transformers before 5.2x sliced inline: `slice(-logits_to_keep, None) if isinstance(...)`)
 _CAUSAL_LM_READS_INLINE_SLICE = (_CAUSAL_LM_READS - {"slice_logits_to_keep"}) | {"int", "isinstance", "slice"}
-# GPT-2's (GPT2LMHeadModel, GPTBigCode): the same steps over `transformer`, with cross-attentions
+# GPT2LMHeadModel's: the same steps over `transformer`, with cross-attentions; GPTBigCode's takes the
+# hidden states as `transformer_outputs[0]`
 _GPT2_READS = (_CAUSAL_LM_READS_INLINE_SLICE - {"model", "CausalLMOutputWithPast"}) | {
     "transformer", "CausalLMOutputWithCrossAttentions", "cross_attentions"}
 # Each known forward's reads -> the attribute that holds the model's body
-_KNOWN_FORMS = {_CAUSAL_LM_READS: "model", _CAUSAL_LM_READS_INLINE_SLICE: "model", _GPT2_READS: "transformer"}
+_KNOWN_FORMS = {_CAUSAL_LM_READS: "model", _CAUSAL_LM_READS_INLINE_SLICE: "model", _GPT2_READS: "transformer",
+                _GPT2_READS - {"last_hidden_state"}: "transformer"}
 # ... and Gemma 2/3's final-logit soft-capping on top (applied here as softcap)
 _SOFTCAP_READS = frozenset({"final_logit_softcapping", "tanh", "torch"})
 _PATCHED: dict[type, type] = {}
