@@ -444,19 +444,22 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
           return logit(to_acc<A>(raw[k].v[e]), c);
         }
       };
-      Lse<A> mine{neg_inf<A>(), A(0), A(0)};
-      if constexpr (kInPlace || decltype(plain)::value) {
-        // the max, then the sum of exponentials (values at hand: in place, or one unpacking shift)
-        A m = neg_inf<A>();
+      // f(z, c) for each of this thread's logits z (column c) in the row's vectors (the tail apart)
+      auto each = [&](auto&& f) {
 #pragma unroll
         for (int k = 0; k < R; ++k) {
           const int vi = (k * CL + q) * nt + tid;
           if (vi < nvec) {
 #pragma unroll
-            // NaN is skipped here and poisons the sum below
-            for (int e = 0; e < VEC; ++e) m = fmax(m, z_at(k, e, vi * VEC + e));
+            for (int e = 0; e < VEC; ++e) f(z_at(k, e, vi * VEC + e), vi * VEC + e);
           }
         }
+      };
+      Lse<A> mine{neg_inf<A>(), A(0), A(0)};
+      if constexpr (kInPlace || decltype(plain)::value) {
+        // the max, then the sum of exponentials (values at hand: in place, or one unpacking shift)
+        A m = neg_inf<A>();
+        each([&](A z, int) { m = fmax(m, z); });  // NaN is skipped here and poisons the sum below
         if (has_tail) {
           tz = logit(tz, tail0 + tid);
           m = fmax(m, tz);
@@ -466,14 +469,7 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
           mine.s += z != z ? z : m == neg_inf<A>() ? A(0) : exp_<FAST>(z - m);
           if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
         };
-#pragma unroll
-        for (int k = 0; k < R; ++k) {
-          const int vi = (k * CL + q) * nt + tid;
-          if (vi < nvec) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) add(z_at(k, e, vi * VEC + e), vi * VEC + e);
-          }
-        }
+        each(add);
         if (has_tail) add(tz, tail0 + tid);
       } else {
         // With a bias or soft-cap, one online pass (the sum rescaled when the max grows): two
@@ -482,14 +478,7 @@ ce_rows_held(W* ws, T* gout, const T* __restrict__ bias, const Y* __restrict__ t
           lse_take<FAST>(mine, z);
           if (eps != A(0)) mine.t += cw != nullptr ? cw[c] * z : z;
         };
-#pragma unroll
-        for (int k = 0; k < R; ++k) {
-          const int vi = (k * CL + q) * nt + tid;
-          if (vi < nvec) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) take(z_at(k, e, vi * VEC + e), vi * VEC + e);
-          }
-        }
+        each(take);
         if (has_tail) {
           tz = logit(tz, tail0 + tid);
           take(tz, tail0 + tid);
