@@ -383,8 +383,9 @@ def stores_logit_grads(tokens: int, hidden: int, vocab: int, dtype: str, accumul
     With G the backward makes dW with K = every token (:func:`stored_dw_gpu`: one GEMM whose
     epilogue applies the reduction's scale and the upstream gradient, read on the device, where
     the TMA kernels run; elsewhere the float32 products of each block of classes, scaled and
-    rounded once, as the float32 accumulator is): no dW read and written per chunk. Chosen for 16-bit inputs with float32 accumulation where G is no larger than
-    the float32 dW it replaces (tokens <= 2 x hidden), so the peak never grows.
+    rounded once, as the float32 accumulator is): no dW read and written per chunk. Chosen for
+    16-bit inputs with float32 accumulation where G is no larger than the float32 dW it replaces
+    (tokens <= 2 x hidden), so the peak never grows.
     """
     return (dtype in ("bfloat16", "float16") and accumulate == "float32" and reduction != "none"
             and 0 < tokens <= 2 * hidden and vocab > 0)
