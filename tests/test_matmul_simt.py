@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cukit.ops import matmul_simt as ms
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, Gemm, SplitK
 from cukit.ops.bias_act import ACTIVATIONS, reference_numpy
 
 ACT_NAMES = {v: k for k, v in ACTIVATIONS.items()}
@@ -109,6 +109,37 @@ def test_choose_config_wave_model(monkeypatch):
     assert ms.choose_config(_g(M=3, N=5)) == "small"
 
 
+def test_choose_split_takes_long_k_with_few_tiles(monkeypatch):
+    from cukit.interop import DTYPES
+
+    monkeypatch.setattr(ms, "sm_count", lambda device: 132)
+    # a weight gradient over 16,384 tokens into 1024 x 256: 8 large tiles in one pass
+    dw = _g(M=1024, N=256, K=16384, sa_m=1, sa_k=1024, sb_k=256)
+    config, s = ms.choose_split(dw)
+    assert s > 1 and 16384 % s == 0 and (16384 // s) % 4 == 0
+    assert ms._estimate(dw, ms.CONFIGS["float32"][config], s) < ms.SPLIT_GAIN * min(
+        ms._estimate(dw, t, 1) for t in ms.CONFIGS["float32"].values())
+    assert ms.choose_split(_g(dtype=DTYPES["float64"], M=1024, N=256, K=16384, sa_m=16384, sb_k=256))[1] > 1
+    # problems that fill the GPU, short K, a batch, or a K without a usable divisor: one pass
+    assert ms.choose_split(_g(M=4096, N=4096, K=4096, sa_m=4096, sb_k=4096)) == ("large", 1)
+    assert ms.choose_split(_g(M=64, N=64, K=256, sa_m=256, sb_k=64))[1] == 1
+    assert ms.choose_split(_g(M=64, N=64, K=16384, batch=(2, 1, 1), sa_m=16384, sb_k=64))[1] == 1
+    assert ms.choose_split(_g(M=64, N=64, K=16381, sa_m=16381, sb_k=64))[1] == 1  # prime
+    assert ms._split_candidates(_g(M=8, N=8, K=1030, sa_m=1030, sb_k=8)) == [1]  # 515 * 2: slices not 16-byte
+    # a forced config keeps it
+    assert ms.choose_split(dw, "small")[0] == "small"
+
+
+def test_prepare_split_rejects_bad_slices():
+    ws = lambda n: (None, 0)  # noqa: E731
+    with pytest.raises(ValueError, match="divide K"):
+        ms.prepare(_g(K=1024, sa_m=1024), splits=3, workspace=ws)
+    with pytest.raises(ValueError, match="without a workspace"):
+        ms.prepare(_g(K=1024, sa_m=1024), splits=2)
+    with pytest.raises(ValueError, match="unbatched"):
+        ms.prepare(_g(K=1024, sa_m=1024, batch=(2, 1, 1)), splits=2, workspace=ws)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 def _torch():
     return pytest.importorskip("torch")
@@ -149,6 +180,12 @@ def _gemm(a, b, c, bias=None, act: int = -1) -> Gemm:
         batch=(1,) * pad + tuple(bshape), sa_batch=(0,) * pad + ae.stride()[:-2],
         sb_batch=(0,) * pad + be.stride()[:-2], device=a.device.index,
     )
+
+
+def _stream():
+    from cukit.interop import current_stream
+
+    return current_stream(_torch().cuda.current_device(), True)
 
 
 def _run(g: Gemm, version: str, config: str | None) -> None:
@@ -327,6 +364,94 @@ def test_long_k_and_cupy_arrays():
         ms.launch(g, current_stream(g.device, False), version=version)
         ref, bound = _reference(a, b, None, -1)
         _check(cupy.asnumpy(c), ref, bound, f"long K {version}")
+
+
+def _torch_workspace():
+    torch = _torch()
+    from cukit.ops.matmul import _workspace
+
+    return _workspace("torch", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_k_all_layouts_and_epilogues(dtype, layout, splits):
+    # N = 45: the sum's scalar path (rows not whole 16-byte groups); N = 64: its vector path
+    ws = _torch_workspace()
+    for i, (M, N, K) in enumerate([(37, 45, 24 * 64), (130, 64, 24 * 100)]):
+        for act in ms.ACTS:
+            a, b, bi, da, db, dbias, c = _problem(dtype, M, N, K, layout, bias=True, act=act, seed=i)
+            g = _gemm(da, db, c, dbias, act)
+            run = ms.prepare(g, splits=splits, workspace=ws)
+            assert isinstance(run, SplitK)
+            run(g.head(), _stream())
+            ref, bound = _reference(a, b, bi, act)
+            _check(c, ref, bound, f"split {splits} {dtype} {LAYOUT_IDS[LAYOUTS.index(layout)]} act {act} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_split_k_scaled_epilogues(dtype):
+    import dataclasses
+
+    torch = _torch()
+    M, N, K = 33, 40, 4096
+    a, b, _, da, db, _, c = _problem(dtype, M, N, K, seed=5)
+    c0 = _rng(6).standard_normal((M, N)).astype(dtype)
+    for beta in (0.0, -0.5):
+        c.copy_(torch.from_numpy(c0))
+        g = dataclasses.replace(_gemm(da, db, c), scaled=True, alpha=1.5, beta=beta)
+        ms.prepare(g, splits=4, workspace=_torch_workspace())(g.head(), _stream())
+        ref, bound = _reference(a, b, None, -1)
+        _check(c, 1.5 * ref + beta * c0, 1.5 * bound + 4 * np.finfo(dtype).eps * np.abs(c0), f"beta {beta}")
+
+
+@pytest.mark.gpu
+def test_split_k_through_matmul_plan_cache_cupy_and_graphs():
+    """The front end splits a long-K product on its own (the cost model), on torch and CuPy
+    arrays; the plan is reused with new pointers, and the split launches capture in a CUDA graph."""
+    import cupy
+
+    import cukit
+    from cukit.ops import matmul as mm
+
+    torch = _torch()
+    M, N, K = 256, 96, 16384
+    a = torch.randn(K, M, device="cuda").t()  # a dW's G^T: column-major
+    b = torch.randn(K, N, device="cuda")
+    g, _, _ = mm._build_gemm(a, b, "torch", batch=(), M=M, K=K, N=N, c_ptr=0, bias_ptr=0, act=-1,
+                             precision="ieee", device=0, dtype=mm.DTYPES["float32"])
+    assert ms.choose_split(g)[1] > 1
+    ref = a.double() @ b.double()
+    bound = K * np.finfo(np.float32).eps * (a.double().abs() @ b.double().abs())
+    for _ in range(2):  # the first call builds the plan, the second is a lookup
+        assert (cukit.matmul(a, b).double() - ref).abs().le(bound).all()
+    key = mm._plan_key("matmul", a, b, None, -1, "ieee", None)
+    assert isinstance(mm._PLANS.get(key).run, SplitK)
+    a2, b2 = a.clone(), b + 1  # new pointers, same signature
+    assert (cukit.matmul(a2, b2).double() - a2.double() @ b2.double()).abs().le(
+        K * np.finfo(np.float32).eps * (a2.double().abs() @ b2.double().abs())).all()
+    ca, cb = cupy.asarray(a.contiguous()), cupy.asarray(b)
+    got = cukit.matmul(ca, cb)
+    assert isinstance(got, cupy.ndarray)
+    np.testing.assert_allclose(cupy.asnumpy(got), (a.double() @ b.double()).cpu().numpy(), rtol=0,
+                               atol=float(bound.max()))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cukit.matmul(a, b)  # warm on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cukit.matmul(a, b)
+    a.copy_(a2)
+    b.copy_(b2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.double() - a2.double() @ b2.double()).abs().le(
+        K * np.finfo(np.float32).eps * (a2.double().abs() @ b2.double().abs())).all()
 
 
 def test_launch_rejects_what_it_does_not_support():

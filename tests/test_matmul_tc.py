@@ -17,7 +17,7 @@ import pytest
 from cukit._device import DeviceCaps
 from cukit.interop import DTYPES
 from cukit.ops import matmul_tc as mt
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, Gemm
+from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, Gemm, SplitK
 from cukit.ops.bias_act import ACTIVATIONS, reference_numpy
 
 ACT_NAMES = {v: k for k, v in ACTIVATIONS.items()}
@@ -315,6 +315,34 @@ def test_prepare_checks_the_forced_width(h100):
         mt.prepare(g, version="mma", tile_n=128)
     with pytest.raises(ValueError, match="tile_n sets the TMA kernel"):
         mt.prepare(_layout_gemm(True, False, K=135), tile_n=128)  # misaligned rows: not TMA
+
+
+def test_choose_split_takes_narrow_outputs_with_long_k(h100):
+    # dW (M, N) = G^T X over K tokens: G^T a column-major view (A M-major), X row-major (B N-major)
+    def dw(M, N, K, **kw):
+        return _g(M=M, N=N, K=K, sa_m=1, sa_k=M, sb_k=N, sb_n=1, **kw)
+
+    s = mt.choose_split(dw(1024, 256, 16384))
+    assert s > 1 and 16384 % s == 0 and (16384 // s) % 64 == 0
+    assert mt.choose_split(dw(4096, 4096, 4096)) == 1  # 512 tiles: the GPU is full
+    assert mt.choose_split(dw(1024, 256, 512)) == 1  # K too short to split
+    assert mt.choose_split(dw(1024, 256, 16384, batch=(1, 1, 2), sa_batch=(0, 0, 1), sb_batch=(0, 0, 1))) == 1
+    assert mt.choose_split(dw(1024, 256, 16392)) == 1  # 16392 = 8 * 2049: no slice of whole k-tiles
+    assert mt.choose_split(replace(dw(1024, 256, 16384), dtype=DTYPES["float32"], precision="tf32")) == 1  # not TMA
+    # the model's numbers: the split's estimate beats one pass by the margin
+    g = dw(1024, 256, 16384)
+    part = mt.split_slices(g, s)
+    t_split = mt._tma_seconds(part, 132) + mt.split_traffic(g, s) / mt._WS_BYTES_PER_S + mt._REDUCE_S
+    assert t_split < mt.SPLIT_GAIN * mt._tma_seconds(g, 132)
+
+
+def test_prepare_split_rejects_bad_slices(h100):
+    ws = lambda n: (None, 0)  # noqa: E731
+    g = _g(M=256, N=256, K=4096, sa_m=4096, sb_k=256)
+    with pytest.raises(ValueError, match="divide K"):
+        mt.prepare(g, splits=3, workspace=ws)
+    with pytest.raises(ValueError, match="without a workspace"):
+        mt.prepare(g, splits=2)
 
 
 def test_tma_batch_collapses_dimensions_or_declines():
@@ -804,3 +832,85 @@ def test_gpu_tma_default_width_is_the_models():
         assert launch.grid[0] == min(sms, -(-M // 128) * -(-N // bn)) and launch.smem == mt.TMA_SMEM[bn]
         picked.add(bn)
     assert picked == set(mt.TMA_TILE_N)
+
+
+def _split_run(a, b, c, splits, bias=None, act=-1, precision="ieee", **scaled):
+    from cukit.interop import current_stream
+    from cukit.ops.matmul import _workspace
+
+    g = make_gemm(a, b, c, bias, act, precision)
+    if scaled:
+        g = replace(g, scaled=True, **scaled)
+    run_ = mt.prepare(g, splits=splits, workspace=_workspace("torch", g.device))
+    assert isinstance(run_, SplitK) and run_.splits == splits
+    run_(g.head(), current_stream(g.device, True))
+    torch.cuda.synchronize()
+    return c
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(("dtype", "precision"), DTYPE_PARAMS, ids=[d for d, _ in DTYPE_PARAMS])
+def test_gpu_tma_split_k_every_layout_and_activation(dtype, precision, layout):
+    """K split into 2 and 4 slices on the TMA kernel, then splitk_reduce: M, N not multiples of
+    the tile or of the sum's 4-column groups (the scalar path), bias and every activation; the
+    operands are views of NaN-padded rows (the slices must read only their own part of K)."""
+    _hopper_or_skip()
+    if precision == "tf32" and layout != (True, False):
+        pytest.skip("tf32 runs on the TMA kernel with K-major operands only (x @ W.T)")
+    torch.manual_seed(12)
+    for M, N, K in ((136, 72, 2048), (129, 42, 3072)):
+        a = _padded((M, K), dtype, row_major=layout[0])
+        b = _padded((K, N), dtype, row_major=layout[1])
+        bias = _tensor((N,), dtype)
+        for splits in (2, 4):
+            for act in (-1, *ACTIVATIONS.values()):
+                c = torch.full((M, N), float("nan"), dtype=a.dtype, device="cuda")
+                check(_split_run(a, b, c, splits, bias, act, precision), a, b, bias, act, tf32=precision == "tf32")
+
+
+@gpu
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+def test_gpu_tma_split_k_scaled_epilogues(out):
+    """alpha (A B) + beta C into float32 or bfloat16 C, beta 0 (C never read: NaN stays out) and not."""
+    _hopper_or_skip()
+    torch.manual_seed(13)
+    M, N, K = 200, 96, 4096
+    a = _tensor((K, M), "bfloat16").mT  # G^T
+    b = _tensor((K, N), "bfloat16")
+    c0 = torch.randn(M, N, device="cuda").to(getattr(torch, out))
+    ref = a.double() @ b.double()
+    mag = a.double().abs() @ b.double().abs()
+    for beta in (0.0, 0.5):
+        c = c0.clone() if beta else torch.full((M, N), float("nan"), dtype=c0.dtype, device="cuda")
+        _split_run(a, b, c, 4, alpha=2.0, beta=beta, c_dtype=DTYPES[out])
+        want = 2.0 * ref + beta * c0.double()
+        bound = 2.0 * (K + 2) * EPS32 * mag + UNIT_ROUNDOFF[out] * (want.abs() + 1e-30) + 1e-30
+        err = (c.double() - want).abs()
+        assert not torch.isnan(c).any() and (err <= bound).all(), f"beta {beta}: worst {float((err - bound).max())}"
+
+
+@gpu
+def test_gpu_split_k_through_matmul_and_autograd():
+    """The front end splits a dW-shaped bf16 product on its own (cukit.matmul of G^T and X, and
+    cukit.nn.Linear's weight gradient), with the plan cached."""
+    _hopper_or_skip()
+    import cukit
+    from cukit.ops import matmul as mm
+
+    torch.manual_seed(14)
+    T, o, i = 16384, 1024, 256
+    g = _tensor((T, o), "bfloat16")
+    x = _tensor((T, i), "bfloat16")
+    gm, _, _ = mm._build_gemm(g.mT, x, "torch", batch=(), M=o, K=T, N=i, c_ptr=0, bias_ptr=0, act=-1,
+                              precision="ieee", device=0, dtype=DTYPES["bfloat16"])
+    assert mt.choose_split(gm) > 1
+    for _ in range(2):
+        c = cukit.matmul(g.mT, x)
+        check(c, g.mT, x)
+    key = mm._plan_key("matmul", g.mT, x, None, -1, mm.get_matmul_precision(), None)
+    assert isinstance(mm._PLANS.get(key).run, SplitK)
+    lin = cukit.nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16)
+    xi = x.clone().requires_grad_(False)
+    lin(xi).backward(g)
+    check(lin.weight.grad, g.mT, x)

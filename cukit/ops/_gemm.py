@@ -41,11 +41,12 @@ scale computed by earlier kernels needs no host sync; only the TMA kernels run i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cukit.interop import DType
+from cukit.interop import DTYPES, DType
 
 __all__ = [
     "EPI_ACCUMULATE",
@@ -54,15 +55,29 @@ __all__ = [
     "EPI_STORE",
     "GEMM_SIGNATURE",
     "MAX_BATCH_DIMS",
+    "SPLITK_SIGNATURE",
+    "SPLITK_THREADS",
     "Gemm",
     "GemmFamily",
     "GemmRun",
+    "SplitK",
+    "Workspace",
+    "split_slices",
+    "split_traffic",
+    "splitk_grid",
+    "splitk_name",
 ]
 
 # A ready launch: ``run(head, stream)`` with ``head = Gemm.head()``'s shape: device pointers
 # (a, b, c, bias) of arrays that have the shapes, strides and alignment of the Gemm it was
 # prepared for, followed by (alpha, beta) as Python floats when the Gemm is ``scaled``.
 GemmRun = Callable[[tuple[Any, ...], Any], None]
+
+# Scratch memory for a launch that needs it (matmul_simt's split-K): ``workspace(nbytes)`` returns
+# ``(owner, pointer)``, nbytes of device memory on the launch's device, 16-byte aligned, from a
+# pool ordered on the stream the launch then uses (torch's caching allocator, CuPy's pool); the
+# run keeps ``owner`` until its launches are queued.
+Workspace = Callable[[int], tuple[Any, int]]
 
 MAX_BATCH_DIMS = 3
 
@@ -200,9 +215,82 @@ class GemmFamily(Protocol):
 
     def prepare(self, g: Gemm, *, version: str) -> GemmRun:
         """A ready launch for every problem of ``g``'s signature (the plan cache keeps it), called
-        as ``run(head, stream)`` with ``head`` shaped as ``g.head()``."""
+        as ``run(head, stream)`` with ``head`` shaped as ``g.head()``. A family whose module sets
+        ``SPLITS_K = True`` also takes ``workspace=`` (a :data:`Workspace`), which lets the run
+        split K over scratch memory."""
         ...
 
     def launch(self, g: Gemm, stream: Any) -> None:
         """``prepare(g)(g.head(), stream)``."""
         ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-K, shared by the families that offer it (SPLITS_K)
+# ---------------------------------------------------------------------------------------------
+
+
+def split_slices(g: Gemm, splits: int) -> Gemm:
+    """The first pass of ``g`` split into ``splits`` slices of K (splits divides K, ``g`` unbatched):
+    a batch of ``splits`` products, slice s reading A and B at k in [s K / S, (s + 1) K / S) (a batch
+    stride of K / S along k), into a workspace of ``splits`` contiguous M x N partial products in the
+    accumulation type (float32 for 16-bit inputs, written through the scaled epilogue, which keeps
+    them unrounded), no bias, no activation. Its run takes ``(a, b, workspace, 0)``, plus
+    ``(1.0, 0.0)`` when it is ``scaled``."""
+    ks = g.K // splits
+    acc = DTYPES["float64" if g.dtype.name == "float64" else "float32"]
+    wide = acc.name != g.dtype.name
+    return dataclasses.replace(
+        g, K=ks, batch=(splits, 1, 1), sa_batch=(ks * g.sa_k, 0, 0), sb_batch=(ks * g.sb_k, 0, 0), c=0, bias=0,
+        act=-1, c_dtype=acc if wide else None, ldc=g.N, sc_batch=g.M * g.N, alpha=1.0, beta=0.0, scaled=wide,
+        device_scale=False,
+    )
+
+
+def split_traffic(g: Gemm, splits: int) -> int:
+    """Bytes split-K moves beyond the one-pass product: the workspace written by the slices and read
+    by the sum, C written by the sum (and read, for EPI_ACCUMULATE)."""
+    acc = 8 if g.dtype.name == "float64" else 4
+    return (2 * splits * acc + g.out_dtype.itemsize * (1 + (g.epilogue == EPI_ACCUMULATE))) * g.M * g.N
+
+
+def splitk_name(dtype: str, out: str, act: int, epi: int) -> str:
+    """The NVRTC name of ``cukit/gemm.cuh``'s ``splitk_reduce`` for inputs (and bias) in `dtype`, C in
+    `out`, activation `act` and epilogue `epi` (a Gemm's: ``dtype.name, out_dtype.name, act,
+    epilogue``)."""
+    return f"splitk_reduce<{DTYPES[dtype].ctype}, {DTYPES[out].ctype}, {act}, {epi}>"
+
+
+SPLITK_SIGNATURE = "ptr ptr ptr f64 f64 i64 i64 i64 i64"  # W, C, bias, alpha, beta, S, M, N, ldc
+SPLITK_THREADS = 256  # splitk_reduce's __launch_bounds__
+
+
+def splitk_grid(g: Gemm, sms: int) -> tuple[int]:
+    """splitk_reduce's grid for ``g``: one thread per 16-byte vector of the workspace's rows, at most
+    four blocks per SM (the kernel strides over the rest)."""
+    vec = 16 // (8 if g.dtype.name == "float64" else 4)
+    total = g.M * -(-g.N // vec)
+    return (max(1, min(-(-total // SPLITK_THREADS), 4 * sms)),)
+
+
+class SplitK:
+    """The ready launch (``run(head, stream)``, a :data:`GemmRun`) of a split-K problem: a workspace
+    from the caller's allocator, the slices' batched product into it (``slices``, prepared for
+    :func:`split_slices`), then ``splitk_reduce`` (``reduce``, head ``(W, C, bias, alpha, beta)``)
+    into C with the problem's bias, activation and alpha / beta."""
+
+    __slots__ = ("nbytes", "reduce", "scaled", "slice_scalars", "slices", "splits", "workspace")
+
+    def __init__(self, g: Gemm, splits: int, slices: GemmRun, reduce: GemmRun, workspace: Workspace) -> None:
+        part = split_slices(g, splits)
+        self.slices, self.reduce, self.workspace, self.splits = slices, reduce, workspace, splits
+        self.nbytes = splits * g.M * g.N * part.out_dtype.itemsize
+        self.scaled = g.scaled
+        self.slice_scalars: tuple[float, ...] = (1.0, 0.0) if part.scaled else ()
+
+    def __call__(self, head: tuple[Any, ...], stream: Any) -> None:
+        owner, ws = self.workspace(self.nbytes)
+        self.slices((head[0], head[1], ws, 0, *self.slice_scalars), stream)
+        alpha, beta = (head[4], head[5]) if self.scaled else (1.0, 0.0)
+        self.reduce((ws, head[2], head[3], alpha, beta), stream)
+        del owner  # a stream-ordered pool hands it out again only to work queued after these launches

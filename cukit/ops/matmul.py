@@ -18,8 +18,8 @@ directly. This module declares no kernels.
 
 The launch path: a GPU call's signature (shapes, strides, dtypes, device, pointer alignment,
 options) keys a bounded plan cache (``_PLANS``); a known signature costs a lookup, one output
-allocation and a launch of the prepared kernel. The first call of a signature validates it and
-builds the plan.
+allocation and a launch of the prepared kernel (a product that splits K: a workspace
+allocation and two launches). The first call of a signature validates it and builds the plan.
 
 NumPy and torch-CPU inputs run the references below (``numpy.matmul`` / ``torch.matmul``), which
 are also the CPU fallbacks. These functions are array-level: autograd, autocast and
@@ -63,7 +63,7 @@ from cukit.interop import (
 from cukit.interop import (
     is_contiguous as _is_contiguous,
 )
-from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm
+from cukit.ops._gemm import MAX_BATCH_DIMS, Gemm, Workspace
 from cukit.ops.bias_act import ACTIVATIONS, FLOAT_DTYPES, activation_id, as_bias
 from cukit.ops.bias_act import _torch_act as _bias_act_torch_act
 from cukit.ops.bias_act import reference_numpy as _bias_act_numpy
@@ -796,12 +796,39 @@ def _plan(g: Gemm, kernel: str | None = None) -> tuple[ModuleType, Gemm, str | N
     raise NotImplementedError(f"no matmul kernel for {_describe(g)}: {'; '.join(dict.fromkeys(notes))}")
 
 
-def _prepare(mod: ModuleType, g: Gemm, variant: str | None) -> Any:
+def _prepare(mod: ModuleType, g: Gemm, variant: str | None, workspace: Workspace | None = None) -> Any:
     """The family's ready launch for ``g`` (``run(g.head(), stream)``); a variant such as "v1" goes
-    to ``prepare(g, version=variant)``."""
+    to ``prepare(g, version=variant)``. workspace: scratch memory for families that can split K
+    (``SPLITS_K``), which then decide whether to."""
     if variant is None:
+        if workspace is not None and getattr(mod, "SPLITS_K", False):
+            return mod.prepare(g, workspace=workspace)
         return mod.prepare(g)
     return mod.prepare(g, version=variant)
+
+
+def _workspace(kind: str, device: int) -> Workspace:
+    """An allocator of scratch bytes on `device` from the caller's library (see
+    ``cukit.ops._gemm.Workspace``): torch's caching allocator on its current stream (the stream the
+    launch uses; CUDA-graph capture included), or CuPy's pool."""
+    if kind == "torch":
+        import torch
+
+        dev = torch.device("cuda", device)
+
+        def alloc(nbytes: int) -> tuple[Any, int]:
+            t = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            return t, t.data_ptr()
+
+        return alloc
+    import cupy
+
+    def alloc_cupy(nbytes: int) -> tuple[Any, int]:
+        with cupy.cuda.Device(device):
+            a = cupy.empty(nbytes, dtype=cupy.uint8)
+        return a, a.data.ptr
+
+    return alloc_cupy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1186,7 +1213,7 @@ def _matmul_gpu_slow(
             g2, pa, pb = _build_gemm(_pad_operand(a2, kind, device), _pad_operand(b2, kind, device), kind, **args)
             if mod.supports(g2) and mod.uses_tma(g2):
                 g, ka, kb = g2, pa, pb
-        run = _prepare(mod, g, variant)
+        run = _prepare(mod, g, variant, _workspace(kind, device))
         run(g.head(), current_stream(device, kind == "torch"))
         as_is = g.a == _ptr(a, kind) and g.b == _ptr(b, kind) and (bias is None or g.bias == _ptr(bias_in, kind))
         if key is not None and as_is and not direct:

@@ -16,6 +16,12 @@ Two versions:
   larger one would leave SMs idle. Both kinds of kernel launch on the caller's stream and never
   synchronize.
 
+Split-K (:func:`choose_split`): when a product's tiles leave most SMs idle and K is long (a
+weight gradient ``dW = G^T X`` summed over many tokens), ``matmul_simt`` runs S slices of K / S as
+one batched launch into a workspace the caller allocates (``prepare(..., workspace=...)``), and
+``splitk_reduce`` sums the S partial products in slice order (deterministic) and applies the
+epilogue.
+
 The front end (``cukit/ops/matmul.py``) builds the :class:`Gemm`; :func:`supports` says whether
 this family takes it and :func:`launch` runs it on a stream.
 """
@@ -28,9 +34,27 @@ from typing import Any, NamedTuple
 from cukit._device import sm_count
 from cukit._runtime import KernelModule
 from cukit.interop import DTYPES
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_SCALE_DEVICE, EPI_STORE, GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import (
+    EPI_ACCUMULATE,
+    EPI_SCALE,
+    EPI_SCALE_DEVICE,
+    EPI_STORE,
+    GEMM_SIGNATURE,
+    SPLITK_SIGNATURE,
+    SPLITK_THREADS,
+    Gemm,
+    SplitK,
+    Workspace,
+    split_slices,
+    split_traffic,
+    splitk_grid,
+    splitk_name,
+)
 
-__all__ = ["CONFIGS", "KERNELS", "Tile", "choose_config", "kernel_name", "launch", "prepare", "supports"]
+__all__ = [
+    "CONFIGS", "KERNELS", "SPLITS_K", "Tile", "choose_config", "choose_split", "kernel_name", "launch",
+    "prepare", "supports",
+]
 
 # Activation ids: -1 (none) and cukit/activations.cuh's (bias_act's ACTIVATIONS).
 ACTS = (-1, 0, 1, 2, 3)
@@ -77,6 +101,18 @@ V1_TILE = 32
 _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
 
+# Split-K's cost model (choose_split), in seconds: one SM's multiply-adds per second at rate 1.0
+# (H200, 4096^3: float32 44.0 and float64 20.8 TFLOP/s over 132 SMs), the bytes per second of
+# the workspace's round trip (written by the slices, read by the sum; it mostly stays in L2), and
+# the sum's launch. A split must beat the one-pass estimate by SPLIT_GAIN to be taken.
+SPLITS_K = True  # prepare() takes workspace= (cukit/ops/_gemm.py's GemmFamily)
+_SM_MACS = {"float32": 1.67e11, "float64": 0.79e11}
+_WS_BYTES_PER_S = 2.5e12
+_REDUCE_S = 4e-6
+SPLIT_GAIN = 0.85
+MAX_SPLITS = 32
+MIN_SLICE_K = 256
+
 
 def _b(v: bool) -> str:
     return "true" if v else "false"
@@ -102,6 +138,13 @@ def v1_name(dtype: str, act: int, *, epi: int = EPI_STORE) -> str:
     return f"matmul_v1<{DTYPES[dtype].ctype}, {act}{_epi_arg(act, epi)}>"
 
 
+def reduce_name(dtype: str, act: int, *, epi: int = EPI_STORE) -> str:
+    """The NVRTC name expression of split-K's sum (``cukit/gemm.cuh``'s ``splitk_reduce``) for C in
+    `dtype` with the epilogue `epi` and activation `act`."""
+    _epi_arg(act, epi)
+    return splitk_name(dtype, dtype, act, epi)
+
+
 def _instantiations() -> dict[str, list[str]]:
     # Small groups, so that a first call compiles ~1 s of code: one per (dtype, config, act) and per
     # (dtype, config, scaled epilogue), the four layouts together; v1 one group per dtype.
@@ -119,13 +162,20 @@ def _instantiations() -> dict[str, list[str]]:
         groups[f"{dtype}/v1"] = [v1_name(dtype, act) for act in ACTS] + [
             v1_name(dtype, -1, epi=epi) for epi in SCALED_EPIS
         ]
+        groups[f"{dtype}/splitk"] = [reduce_name(dtype, act) for act in ACTS] + [
+            reduce_name(dtype, -1, epi=epi) for epi in SCALED_EPIS
+        ]
     return groups
 
 
 KERNELS = KernelModule(
     "matmul_simt.cu",
     instantiations=_instantiations(),
-    signatures={"matmul_simt": GEMM_SIGNATURE, "matmul_v1": GEMM_SIGNATURE},
+    signatures={
+        "matmul_simt": GEMM_SIGNATURE,
+        "matmul_v1": GEMM_SIGNATURE,
+        "splitk_reduce": SPLITK_SIGNATURE,
+    },
 )
 
 
@@ -173,6 +223,61 @@ def choose_config(g: Gemm) -> str:
     return best
 
 
+def _estimate(g: Gemm, t: Tile, splits: int) -> float:
+    """Seconds for ``g`` on tile ``t`` in ``splits`` slices of K: waves of blocks times one wave's
+    multiply-adds per SM at the tile's rate, plus (splits > 1) the workspace's round trip and the
+    sum's launch."""
+    sms = sm_count(g.device)
+    blocks = -(-g.M // t.bm) * -(-g.N // t.bn) * g.batch_count * splits
+    k = -(-(g.K // splits) // t.bk) * t.bk
+    est = -(-blocks // (t.per_sm * sms)) * t.per_sm * t.bm * t.bn * k / (t.rate * _SM_MACS[g.dtype.name])
+    if splits > 1:
+        est += split_traffic(g, splits) / _WS_BYTES_PER_S + _REDUCE_S
+    return est
+
+
+def _split_candidates(g: Gemm) -> list[int]:
+    """Slice counts S that divide K into slices of at least MIN_SLICE_K whose starts keep 16-byte
+    alignment (K / S a multiple of 16 bytes of elements); [1] where split-K does not apply (a
+    batched problem, K too short)."""
+    vec = 16 // g.dtype.itemsize
+    if g.batch_count != 1 or g.K < 2 * MIN_SLICE_K:
+        return [1]
+    return [1] + [s for s in range(2, MAX_SPLITS + 1)
+                  if g.K % s == 0 and g.K // s >= MIN_SLICE_K and (g.K // s) % vec == 0]
+
+
+def choose_split(g: Gemm, config: str | None = None) -> tuple[str, int]:
+    """(config, S): the tile config (``config`` when given) and number of K slices with the least
+    :func:`_estimate`, S = 1 (one pass) unless a split beats the best one-pass estimate by
+    SPLIT_GAIN. Only unbatched problems split (S divides K, see _split_candidates): a weight
+    gradient over 16,384 tokens into 1024 x 256 outputs is 8 large tiles on 132 SMs in one pass,
+    128 blocks in 16 slices."""
+    tiles = CONFIGS[g.dtype.name]
+    names = [config] if config is not None else list(tiles)
+    one_t, one = min((_estimate(g, tiles[n], 1), n) for n in names)
+    best_t, best, best_s = one_t, one, 1
+    for s in _split_candidates(g)[1:]:
+        for n in names:
+            t = _estimate(g, tiles[n], s)
+            if t < best_t:
+                best_t, best, best_s = t, n, s
+    if best_t >= SPLIT_GAIN * one_t:
+        return one, 1
+    return best, best_s
+
+
+def _prepare_split(g: Gemm, config: str, splits: int, workspace: Workspace) -> SplitK:
+    """matmul_simt over ``splits`` slices of K (:func:`cukit.ops._gemm.split_slices`) with tile
+    ``config``, and the sum's launch."""
+    slices = prepare(split_slices(g, splits), config=config)
+    reduce = KERNELS.prepare(
+        splitk_name(g.dtype.name, g.out_dtype.name, g.act, g.epilogue), splitk_grid(g, sm_count(g.device)),
+        (SPLITK_THREADS,), (splits, g.M, g.N, g.ldc), device=g.device,
+    )
+    return SplitK(g, splits, slices, reduce, workspace)
+
+
 def _fold(rows: int) -> tuple[int, int]:
     """(grid.y, grid.z) covering `rows` (batch x M-tile) blocks, both <= 65535."""
     gy = min(rows, _MAX_GRID_YZ)
@@ -186,11 +291,20 @@ def _noop(head: tuple[int, ...], stream: Any) -> None:
     """The launch of an empty problem (M, N or the batch is 0)."""
 
 
-def prepare(g: Gemm, *, version: str = "simt", config: str | None = None) -> Callable[..., None]:
+def prepare(
+    g: Gemm,
+    *,
+    version: str = "simt",
+    config: str | None = None,
+    splits: int | None = None,
+    workspace: Workspace | None = None,
+) -> Callable[..., None]:
     """A ready launch for every problem of ``g``'s signature, called as ``run(head, stream)`` with
     ``head`` shaped as ``g.head()`` (device pointers, then alpha and beta when ``g.scaled``).
     version "simt" (fast) or "v1" (reference); config "large" / "small" overrides
-    :func:`choose_config`."""
+    :func:`choose_config`. workspace (version "simt"): an allocator that lets the launch split K
+    (:func:`choose_split`, or ``splits`` slices when given: it must divide K); without one, one
+    pass."""
     if not supports(g):
         raise ValueError(
             f"matmul_simt takes float32 (precision 'ieee') or float64, C in the same dtype; got {g.dtype} "
@@ -211,6 +325,16 @@ def prepare(g: Gemm, *, version: str = "simt", config: str | None = None) -> Cal
         )
     if version != "simt":
         raise ValueError(f"matmul_simt: version must be 'simt' or 'v1'; got {version!r}")
+    if splits is not None and (splits < 1 or (splits > 1 and (workspace is None or g.K % splits or g.batch_count != 1))):
+        raise ValueError(
+            f"matmul_simt: splits must be 1, or divide K = {g.K} of an unbatched problem and come with a workspace; "
+            f"got splits={splits} for batch {g.batch}{'' if workspace is not None else ' without a workspace'}"
+        )
+    if workspace is not None:
+        if splits is None:
+            config, splits = choose_split(g, config)
+        if splits > 1:
+            return _prepare_split(g, config or choose_config(g), splits, workspace)
     config = config or choose_config(g)
     tile = CONFIGS[g.dtype.name][config]
     bm, bn, bk = tile.bm, tile.bn, tile.bk
@@ -227,7 +351,15 @@ def prepare(g: Gemm, *, version: str = "simt", config: str | None = None) -> Cal
     )
 
 
-def launch(g: Gemm, stream: Any, *, version: str = "simt", config: str | None = None) -> None:
+def launch(
+    g: Gemm,
+    stream: Any,
+    *,
+    version: str = "simt",
+    config: str | None = None,
+    splits: int | None = None,
+    workspace: Workspace | None = None,
+) -> None:
     """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
     with ``g``'s pointers (and alpha, beta: ``g.head()``)."""
-    prepare(g, version=version, config=config)(g.head(), stream)
+    prepare(g, version=version, config=config, splits=splits, workspace=workspace)(g.head(), stream)

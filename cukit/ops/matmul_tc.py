@@ -35,6 +35,12 @@ Load paths (template ``VEC``), picked per problem by :func:`load_path`:
 - 0 (16-bit only): any alignment (an odd leading dimension, e.g. K = 4093): aligned 16-byte
   chunks are staged two k-tiles ahead and shifted into place in shared memory.
 
+Split-K (:func:`choose_split`, TMA problems only): when the tiles of an unbatched product leave
+SMs idle and K is long (a weight gradient ``dW = G^T X`` over many tokens into a narrow layer),
+the TMA kernel runs S slices of K / S as one batched launch into a float32 workspace the caller
+allocates (``prepare(..., workspace=...)``), and ``splitk_reduce`` sums the partial products in
+slice order (deterministic), applies the epilogue and rounds once to C's dtype.
+
 The front end (``cukit/ops/matmul.py``) builds the :class:`Gemm`; :func:`supports` says whether
 this family takes it and :func:`launch` runs it on a stream.
 """
@@ -49,9 +55,24 @@ from typing import Any
 import numpy as np
 
 from cukit._device import device_caps
-from cukit._runtime import KernelModule, Launch
+from cukit._runtime import _CUDA_ERROR_INVALID_CONTEXT, KernelModule, Launch
 from cukit.interop import DTYPES
-from cukit.ops._gemm import EPI_ACCUMULATE, EPI_SCALE, EPI_SCALE_DEVICE, EPI_STORE, GEMM_SIGNATURE, Gemm
+from cukit.ops._gemm import (
+    EPI_ACCUMULATE,
+    EPI_SCALE,
+    EPI_SCALE_DEVICE,
+    EPI_STORE,
+    GEMM_SIGNATURE,
+    SPLITK_SIGNATURE,
+    SPLITK_THREADS,
+    Gemm,
+    SplitK,
+    Workspace,
+    split_slices,
+    split_traffic,
+    splitk_grid,
+    splitk_name,
+)
 
 __all__ = [
     "KERNELS",
@@ -59,6 +80,8 @@ __all__ = [
     "LOADS",
     "SCALED",
     "SCALED_TMA",
+    "SPLITS_K",
+    "choose_split",
     "kernel_name",
     "launch",
     "load_path",
@@ -143,11 +166,17 @@ def _instantiations() -> dict[str, list[str]]:
                 groups[f"{dtype}/vec{load}/{out}-{_EPI_NAMES[epi]}"] = [
                     kernel_name(dtype, -1, a, b, load, out=out, epi=epi) for a, b in LAYOUTS
                 ]
+        # split-K's sum (cukit/gemm.cuh): every epilogue the one-pass kernels have
+        groups[f"{dtype}/splitk"] = [splitk_name(dtype, dtype, act, EPI_STORE) for act in ACTS] + [
+            splitk_name(dtype, out, -1, epi) for out, epi in SCALED[dtype]
+        ]
     return groups
 
 
 KERNELS = KernelModule(
-    "matmul_tc.cu", instantiations=_instantiations(), signatures={"matmul_tc": GEMM_SIGNATURE}
+    "matmul_tc.cu",
+    instantiations=_instantiations(),
+    signatures={"matmul_tc": GEMM_SIGNATURE, "splitk_reduce": SPLITK_SIGNATURE},
 )
 
 
@@ -432,17 +461,76 @@ def tma_tile_n(g: Gemm, sms: int | None = None) -> int:
     0.81) against three of 128 x 64 (0.97 x 0.80 = 0.78): 192."""
     if sms is None:
         sms = device_caps(g.device).sm_count
+    return _tma_best(g, sms)[0]
+
+
+def _tma_best(g: Gemm, sms: int) -> tuple[int, float]:
+    """(tile width, its eff) of :func:`tma_tile_n`'s model."""
     nb = g.batch_count
     best, best_eff = TMA_TILE_N[0], -1.0
     for bn in TMA_TILE_N:
         tiles = -(-g.M // BM) * -(-g.N // bn) * nb
         if tiles <= 0 or sms <= 0:
-            return TMA_TILE_N[0]
+            return TMA_TILE_N[0], 0.0
         waves = -(-tiles // sms)
         eff = g.M * g.N * nb / (waves * sms * BM * bn) * tma_tile_rate(bn, g.K)
         if eff > best_eff:
             best, best_eff = bn, eff
-    return best
+    return best, best_eff
+
+
+# Split-K's cost model (choose_split), in seconds: the TMA kernel's multiply-add rate at eff 1.0
+# (H100, 4096^3 bf16 ~620 TFLOP/s at eff 0.94; tf32 half of it), the bytes per second of the
+# float32 workspace's round trip (written by the slices, read by the sum; mostly in L2) and the
+# sum's launch. A split must beat the one-pass estimate by SPLIT_GAIN to be taken.
+SPLITS_K = True  # prepare() takes workspace= (cukit/ops/_gemm.py's GemmFamily)
+_TMA_FLOPS = {"bfloat16": 6.6e14, "float16": 6.6e14, "float32": 3.3e14}
+_WS_BYTES_PER_S = 2.5e12
+_REDUCE_S = 4e-6
+SPLIT_GAIN = 0.85
+MAX_SPLITS = 16
+MIN_SLICE_K = 512
+
+
+def _tma_seconds(g: Gemm, sms: int) -> float:
+    return 2.0 * g.M * g.N * g.K * g.batch_count / (max(_tma_best(g, sms)[1], 1e-9) * _TMA_FLOPS[g.dtype.name])
+
+
+def choose_split(g: Gemm) -> int:
+    """Slices of K (1: one pass) for a problem the TMA kernel runs: the S dividing K (into slices of
+    whole 128-byte k-tiles, at least MIN_SLICE_K long) whose slices, as a batch on the TMA kernel
+    (:func:`tma_tile_n`'s wave model), plus the workspace's round trip, beat the one-pass estimate
+    by SPLIT_GAIN. Unbatched problems only. On 132 SMs, 1024 x 256 x 16384 (a dW over 16,384
+    tokens) is 32 tiles of 128 x 64 in one pass, 128 in 4 slices."""
+    if g.batch_count != 1 or g.K < 2 * MIN_SLICE_K or g.epilogue == EPI_SCALE_DEVICE or not uses_tma(g):
+        return 1
+    sms = device_caps(g.device).sm_count
+    one = _tma_seconds(g, sms)
+    best_t, best = one, 1
+    kt = KB // g.dtype.itemsize
+    for s in range(2, MAX_SPLITS + 1):
+        ks = g.K // s
+        if g.K % s or ks < MIN_SLICE_K or ks % kt:
+            continue
+        part = split_slices(g, s)
+        if not uses_tma(part):
+            continue
+        t = _tma_seconds(part, sms) + split_traffic(g, s) / _WS_BYTES_PER_S + _REDUCE_S
+        if t < best_t:
+            best_t, best = t, s
+    return best if best_t < SPLIT_GAIN * one else 1
+
+
+def _prepare_split(g: Gemm, splits: int, workspace: Workspace) -> SplitK:
+    """The TMA kernel over ``splits`` slices of K (:func:`cukit.ops._gemm.split_slices`: float32
+    partial products), and the sum's launch."""
+    slices = prepare(split_slices(g, splits), version="tma")
+    reduce = KERNELS.prepare(
+        splitk_name(g.dtype.name, g.out_dtype.name, g.act, g.epilogue),
+        splitk_grid(g, device_caps(g.device).sm_count), (SPLITK_THREADS,), (splits, g.M, g.N, g.ldc),
+        device=g.device,
+    )
+    return SplitK(g, splits, slices, reduce, workspace)
 
 
 def uses_tma(g: Gemm, load: int | None = None) -> bool:
@@ -507,7 +595,8 @@ def _encode_tiled() -> Any:
 
 @functools.lru_cache(maxsize=512)
 def tensor_map(
-    dtype: str, ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int]
+    dtype: str, ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int],
+    device: int | None = None,
 ) -> np.ndarray:
     """A 3-D tiled tensor map (dims innermost first, strides of dims 1 and 2 in bytes), 128-byte
     swizzle, zero fill out of bounds, as one 128-byte NumPy element to pass by value. Cached: a
@@ -516,20 +605,18 @@ def tensor_map(
     off = -buf.ctypes.data % 64  # CUtensorMap is 64-byte aligned
     out = buf[off : off + 128].view(_MAP_DTYPE)
     u64x3, u64x2, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint64 * 2, ctypes.c_uint32 * 3
-    err = _encode_tiled()(
-        out.ctypes.data,
-        _CU_TENSOR_MAP_DTYPE[dtype],
-        3,
-        ptr,
-        u64x3(*dims),
-        u64x2(*strides),
-        u32x3(box[0], box[1], 1),
-        u32x3(1, 1, 1),
-        0,
-        _CU_SWIZZLE_128B,
-        _CU_L2_PROMOTION_256B,
-        0,
+    args = (
+        out.ctypes.data, _CU_TENSOR_MAP_DTYPE[dtype], 3, ptr, u64x3(*dims), u64x2(*strides), u32x3(box[0], box[1], 1),
+        u32x3(1, 1, 1), 0, _CU_SWIZZLE_128B, _CU_L2_PROMOTION_256B, 0,
     )
+    err = _encode_tiled()(*args)
+    if err == _CUDA_ERROR_INVALID_CONTEXT and device is not None:
+        # a thread with no current context (autograd's device thread before any other CUDA call
+        # of its own): the device's primary context, as Launch does for its launches
+        import cupy
+
+        cupy.cuda.runtime.setDevice(device)
+        err = _encode_tiled()(*args)
     if err != 0:
         raise RuntimeError(
             f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims {dims}, strides {strides}, box {box}"
@@ -576,7 +663,7 @@ def tma_specs(g: Gemm, tile_n: int | None = None) -> tuple[tuple[Any, ...], tupl
 def tma_maps(g: Gemm, tile_n: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(map of A, map of B, batch count) for :func:`uses_tma` problems (tile_n: as :func:`tma_specs`)."""
     spa, spb, nb = tma_specs(g, tile_n)
-    return tensor_map(g.dtype.name, g.a, *spa), tensor_map(g.dtype.name, g.b, *spb), nb
+    return tensor_map(g.dtype.name, g.a, *spa, g.device), tensor_map(g.dtype.name, g.b, *spb, g.device), nb
 
 
 def _device_caps(device: int) -> tuple[int, int]:
@@ -635,7 +722,7 @@ class _TmaLaunch:
     def _map(self, maps: dict[int, bytes], spec: tuple[Any, ...], ptr: int) -> bytes:
         if len(maps) >= self._MAPS_PER_OPERAND:
             maps.clear()
-        m = maps[ptr] = tensor_map(self.dtype, ptr, *spec).tobytes()  # 128 bytes, as the launch packs them
+        m = maps[ptr] = tensor_map(self.dtype, ptr, *spec, self.launch.device).tobytes()  # as the launch packs them
         return m
 
     def __call__(self, head: tuple[Any, ...], stream: Any) -> None:
@@ -654,7 +741,13 @@ def _noop(head: tuple[int, ...], stream: Any) -> None:
 
 
 def prepare(
-    g: Gemm, *, version: str | None = None, load: int | None = None, tile_n: int | None = None
+    g: Gemm,
+    *,
+    version: str | None = None,
+    load: int | None = None,
+    tile_n: int | None = None,
+    splits: int | None = None,
+    workspace: Workspace | None = None,
 ) -> Callable[..., None]:
     """A ready launch for every problem of ``g``'s signature: call it as ``run(head, stream)``
     with ``head`` shaped as ``g.head()``: device pointers ``(a, b, c, bias)`` (those of ``g`` or
@@ -663,7 +756,9 @@ def prepare(
     :func:`route` picks (TMA, then cp.async wgmma, then mma.sync); "tma", "wgmma", "mma": that one.
     `load` overrides :func:`load_path` (0 works for any 16-bit problem, 2 for any float32 one) and
     `tile_n` the TMA kernel's block-tile width (:data:`TMA_TILE_N`; :func:`tma_tile_n` by default;
-    a ValueError when the TMA kernel does not run ``g``): for tests and benchmarks."""
+    a ValueError when the TMA kernel does not run ``g``): for tests and benchmarks. workspace (an
+    allocator, :data:`cukit.ops._gemm.Workspace`): lets a TMA problem split K (:func:`choose_split`,
+    or ``splits`` slices when given: it must divide K of an unbatched TMA problem)."""
     if version not in (None, "tc", "tma", "wgmma", "mma"):
         raise ValueError(f"matmul_tc: unknown version {version!r} (None, 'tc', 'tma', 'wgmma' or 'mma')")
     if tile_n is not None and tile_n not in TMA_TILE_N:
@@ -676,6 +771,18 @@ def prepare(
     batch = g.batch_count
     if g.M <= 0 or g.N <= 0 or batch <= 0:
         return _noop
+    if splits is not None and splits != 1:
+        if (splits < 1 or workspace is None or g.K % splits or batch != 1 or g.epilogue == EPI_SCALE_DEVICE
+                or not uses_tma(g) or not uses_tma(split_slices(g, splits))):
+            raise ValueError(
+                f"matmul_tc: splits must be 1, or divide K = {g.K} of an unbatched TMA problem and come with a "
+                f"workspace; got splits={splits}{'' if workspace is not None else ' without a workspace'}"
+            )
+        return _prepare_split(g, splits, workspace)
+    if workspace is not None and splits is None and version in (None, "tc") and load is None and tile_n is None:
+        s = choose_split(g)
+        if s > 1:
+            return _prepare_split(g, s, workspace)
     natural = load_path(g)
     if load is None:
         load = natural
@@ -723,8 +830,15 @@ def _scaled(g: Gemm) -> dict[str, Any]:
 
 
 def launch(
-    g: Gemm, stream: Any, *, version: str | None = None, load: int | None = None, tile_n: int | None = None
+    g: Gemm,
+    stream: Any,
+    *,
+    version: str | None = None,
+    load: int | None = None,
+    tile_n: int | None = None,
+    splits: int | None = None,
+    workspace: Workspace | None = None,
 ) -> None:
     """Run one problem on `stream` (an object with ``.ptr``): ``prepare(g, ...)`` then launch it
     with ``g``'s pointers (and alpha, beta: ``g.head()``)."""
-    prepare(g, version=version, load=load, tile_n=tile_n)(g.head(), stream)
+    prepare(g, version=version, load=load, tile_n=tile_n, splits=splits, workspace=workspace)(g.head(), stream)

@@ -10,6 +10,7 @@
 #pragma once
 #include <cukit/activations.cuh>
 #include <cukit/dtypes.cuh>
+#include <cukit/vec.cuh>
 
 namespace cukit {
 
@@ -68,6 +69,72 @@ __device__ __forceinline__ A epilogue_out(A acc, const A bias_n, const A alpha, 
     return alpha * (acc + bias_n);
   } else {
     return fma(beta, c_old, alpha * (acc + bias_n));
+  }
+}
+
+// Split-K's second pass (host side: cukit/ops/_gemm.py's SplitK). A product whose output tiles
+// leave most SMs idle while K is long runs as S products over K / S each (the family's kernel
+// with the slices as a batch, into a workspace W of S contiguous M x N partial products in the
+// accumulation type, no bias, no activation); this kernel sums each element's S partials in slice
+// order (deterministic) and applies the epilogue the one-pass kernel would have:
+// C[m, n] = epilogue_out(sum_s W[s, m, n], bias[n], alpha, beta, C[m, n]), rounded once to TC
+// (the activations' fast forms for 16-bit C, as the tensor-core kernels' epilogues). A thread
+// owns G consecutive columns of a row, G = one 16-byte vector of W (loaded as such where
+// N % G == 0; C stored as one vector where its rows are aligned too), grid-stride over the
+// M x ceil(N / G) groups. Each .cu that splits K instantiates it for its types.
+template <typename T, typename TC, int ACT, int EPI = EPI_STORE>
+__global__ void __launch_bounds__(256)
+    splitk_reduce(const acc_t<T>* __restrict__ W, TC* __restrict__ C, const T* __restrict__ bias, double alpha,
+                  double beta, long long S, long long M, long long N, long long ldc) {
+  using A = acc_t<T>;
+  constexpr bool FAST = sizeof(TC) == 2;
+  constexpr int G = 16 / static_cast<int>(sizeof(A));
+  const long long groups = (N + G - 1) / G;
+  const long long total = M * groups;
+  const long long mn = M * N;
+  const bool wvec = N % G == 0;
+  const bool cvec = wvec && ldc % G == 0 && (reinterpret_cast<unsigned long long>(C) & (sizeof(TC) * G - 1)) == 0;
+  const A al = static_cast<A>(alpha), be = static_cast<A>(beta);
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long m = i / groups;
+    const long long n0 = (i - m * groups) * G;
+    const A* w = W + m * N + n0;
+    A acc[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) acc[j] = A(0);
+    if (wvec) {
+      for (long long s = 0; s < S; ++s) {
+        const Vec<A, G> v = load_vec<A, G>(w + s * mn);
+#pragma unroll
+        for (int j = 0; j < G; ++j) acc[j] += v.v[j];
+      }
+    } else {
+      for (long long s = 0; s < S; ++s)
+#pragma unroll
+        for (int j = 0; j < G; ++j)
+          if (n0 + j < N) acc[j] += w[s * mn + j];
+    }
+    TC* crow = C + m * ldc;
+    Vec<TC, G> o;
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const long long n = n0 + j;
+      const bool in = n < N;
+      const A bn = (bias != nullptr && in) ? to_acc<A>(bias[n]) : A(0);
+      A old = A(0);
+      if constexpr (EPI == EPI_ACCUMULATE) {
+        if (in) old = to_acc<A>(crow[n]);
+      }
+      o.v[j] = from_acc<TC>(epilogue_out<EPI, ACT, A, FAST>(acc[j], bn, al, be, old));
+    }
+    if (cvec) {
+      stg_vec<TC, G>(crow + n0, o);
+    } else {
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        if (n0 + j < N) crow[n0 + j] = o.v[j];
+    }
   }
 }
 
