@@ -35,7 +35,10 @@ still has them):
    float32 C (the fused-loss ``dW += G^T X``: A a transposed view), against ``cukit.matmul`` and
    cuBLAS on the same bf16 operands with a bf16 result (``vs_cukit``: the bf16-output path's ms
    over gemm's; it writes 2x the bytes of C and reads C too).
-6. with ``--tiles`` only: the Hopper TMA kernel forced to each block-tile width (``cukit tma256``,
+6. weight gradients: ``cukit.matmul(G.T, X)`` with G (K, M) read transposed, as autograd's
+   ``dW = G^T X`` over K tokens, in fp32 and bf16 against cuBLAS: outputs with few tiles and a
+   long K (the SIMT family's split-K, ``matmul_simt.choose_split``);
+7. with ``--tiles`` only: the Hopper TMA kernel forced to each block-tile width (``cukit tma256``,
    ``tma192``, ``tma128``, ``tma64``: ``matmul_tc.prepare(g, tile_n=...)``) beside ``cukit.matmul`` (the wave
    model's pick) and cuBLAS, bf16, at shapes that exercise the wave model (small problems, the
    in-model shapes, and two with full waves for every width: the calibration of
@@ -149,7 +152,10 @@ class Config:
     # gemm into float32 (section 5, --gemm): (M, N, K) of dW (V, H) += G^T (V, T) X (T, H)
     gemm: tuple[Shape, ...] = ()
     gemm_shapes: tuple[Shape, ...] = ((4096, 4096, 4096), (4096, 1024, 4096), (8192, 768, 768))
-    # TMA tile widths forced (section 6, --tiles)
+    # weight gradients (section 6): (M, N, K) of dW (M, N) = G^T (M, K) X (K, N), G read transposed
+    dw: tuple[Shape, ...] = ((1024, 256, 16384), (256, 1024, 16384), (768, 768, 16384), (768, 3072, 4096))
+    dw_modes: tuple[str, ...] = ("fp32", "bf16")
+    # TMA tile widths forced (section 7, --tiles)
     tiles: tuple[Shape, ...] = ()
     tile_shapes: tuple[Shape, ...] = (
         (1024, 1024, 1024), (512, 1024, 4096), (2048, 512, 2048), (4096, 768, 768), (8192, 768, 768),
@@ -186,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg = replace(
             cfg, device="cpu", squares={m: (16, 33) for m in MODES}, odd=(17, 15, 13), tall=(64, 16, 16),
             batched=(3, 8, 8, 8), linear=(32, 24, 16), v1_sizes=(), target_fp32=33, target_bf16=(16, 33),
-            medium=((16, 16, 16), (40, 24, 24), (32, 32, 8)),
+            medium=((16, 16, 16), (40, 24, 24), (32, 32, 8)), dw=((24, 16, 1024),),
             repeat_s=0.0, min_repeats=3, max_repeats=3, full_ref_rows=8, flush_l2=False, dry_run=True,
             budget_s=0.0,
         )
@@ -291,7 +297,12 @@ def plan(cfg: Config) -> list[Case]:
     if "bf16" in modes:
         for shape in cfg.gemm:
             add(Case("gemm", "bf16", *shape, kind="accumulate", impls=(GEMM_IMPL, "cukit", "cuBLAS")))
-    # 6. the TMA kernel's tile widths forced (--tiles)
+    # 6. weight gradients (G^T X)
+    for m in cfg.dw_modes:
+        if m in modes:
+            for shape in cfg.dw:
+                add(Case("matmul", m, *shape, kind="dw"))
+    # 7. the TMA kernel's tile widths forced (--tiles)
     if "bf16" in modes:
         for shape in cfg.tiles:
             add(Case("matmul", "bf16", *shape, kind="tiles", impls=(*TILE_IMPLS, "cukit", "cuBLAS")))
@@ -592,7 +603,10 @@ def run_case(b: Bench, case: Case) -> list[dict[str, Any]]:
             out_shape: tuple[int, ...] = (case.M, case.N)
         elif case.op == "matmul":
             lead = (case.batch,) if case.batch > 1 else ()
-            a = b.randn((*lead, case.M, case.K), mode.dtype)
+            if case.kind == "dw":  # G^T: a transposed view
+                a = b.randn((case.K, case.M), mode.dtype).t()
+            else:
+                a = b.randn((*lead, case.M, case.K), mode.dtype)
             bb = b.randn((*lead, case.K, case.N), mode.dtype)
             expected = reference_matmul(a, bb, ref_rows)
             makers = {impl: (lambda impl=impl: make_matmul(impl, mode, a, bb)) for impl in case.impls}
@@ -785,7 +799,7 @@ def tile_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-_KIND_ORDER = {"square": 0, "odd": 1, "tall": 2, "batched": 3, "linear": 4, "tiles": 5}
+_KIND_ORDER = {"square": 0, "odd": 1, "tall": 2, "batched": 3, "linear": 4, "dw": 5, "tiles": 6}
 
 
 def _case_order(r: dict[str, Any]) -> tuple[Any, ...]:
