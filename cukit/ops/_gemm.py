@@ -62,6 +62,7 @@ __all__ = [
     "GemmRun",
     "SplitK",
     "Workspace",
+    "prepare_split",
     "split_slices",
     "split_traffic",
     "splitk_grid",
@@ -294,3 +295,14 @@ class SplitK:
         alpha, beta = (head[4], head[5]) if self.scaled else (1.0, 0.0)
         self.reduce((ws, head[2], head[3], alpha, beta), stream)
         del owner  # a stream-ordered pool hands it out again only to work queued after these launches
+
+
+def prepare_split(g: Gemm, splits: int, slices: GemmRun, module: Any, sms: int, workspace: Workspace) -> SplitK:
+    """The :class:`SplitK` run of ``g``: ``slices`` (the family's run of :func:`split_slices`) and
+    the sum, prepared from the family's kernel module (a ``cukit._runtime.KernelModule`` that
+    instantiates ``splitk_reduce`` for ``g``'s types) on a device of `sms` SMs."""
+    reduce = module.prepare(
+        splitk_name(g.dtype.name, g.out_dtype.name, g.act, g.epilogue), splitk_grid(g, sms), (SPLITK_THREADS,),
+        (splits, g.M, g.N, g.ldc), device=g.device,
+    )
+    return SplitK(g, splits, slices, reduce, workspace)

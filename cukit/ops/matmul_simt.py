@@ -41,13 +41,12 @@ from cukit.ops._gemm import (
     EPI_STORE,
     GEMM_SIGNATURE,
     SPLITK_SIGNATURE,
-    SPLITK_THREADS,
     Gemm,
     SplitK,
     Workspace,
+    prepare_split,
     split_slices,
     split_traffic,
-    splitk_grid,
     splitk_name,
 )
 
@@ -271,11 +270,7 @@ def _prepare_split(g: Gemm, config: str, splits: int, workspace: Workspace) -> S
     """matmul_simt over ``splits`` slices of K (:func:`cukit.ops._gemm.split_slices`) with tile
     ``config``, and the sum's launch."""
     slices = prepare(split_slices(g, splits), config=config)
-    reduce = KERNELS.prepare(
-        splitk_name(g.dtype.name, g.out_dtype.name, g.act, g.epilogue), splitk_grid(g, sm_count(g.device)),
-        (SPLITK_THREADS,), (splits, g.M, g.N, g.ldc), device=g.device,
-    )
-    return SplitK(g, splits, slices, reduce, workspace)
+    return prepare_split(g, splits, slices, KERNELS, sm_count(g.device), workspace)
 
 
 def _fold(rows: int) -> tuple[int, int]:

@@ -64,13 +64,12 @@ from cukit.ops._gemm import (
     EPI_STORE,
     GEMM_SIGNATURE,
     SPLITK_SIGNATURE,
-    SPLITK_THREADS,
     Gemm,
     SplitK,
     Workspace,
+    prepare_split,
     split_slices,
     split_traffic,
-    splitk_grid,
     splitk_name,
 )
 
@@ -525,12 +524,7 @@ def _prepare_split(g: Gemm, splits: int, workspace: Workspace) -> SplitK:
     """The TMA kernel over ``splits`` slices of K (:func:`cukit.ops._gemm.split_slices`: float32
     partial products), and the sum's launch."""
     slices = prepare(split_slices(g, splits), version="tma")
-    reduce = KERNELS.prepare(
-        splitk_name(g.dtype.name, g.out_dtype.name, g.act, g.epilogue),
-        splitk_grid(g, device_caps(g.device).sm_count), (SPLITK_THREADS,), (splits, g.M, g.N, g.ldc),
-        device=g.device,
-    )
-    return SplitK(g, splits, slices, reduce, workspace)
+    return prepare_split(g, splits, slices, KERNELS, device_caps(g.device).sm_count, workspace)
 
 
 def uses_tma(g: Gemm, load: int | None = None) -> bool:
