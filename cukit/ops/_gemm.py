@@ -74,7 +74,7 @@ __all__ = [
 # prepared for, followed by (alpha, beta) as Python floats when the Gemm is ``scaled``.
 GemmRun = Callable[[tuple[Any, ...], Any], None]
 
-# Scratch memory for a launch that needs it (matmul_simt's split-K): ``workspace(nbytes)`` returns
+# Scratch memory for a launch that needs it (split-K): ``workspace(nbytes)`` returns
 # ``(owner, pointer)``, nbytes of device memory on the launch's device, 16-byte aligned, from a
 # pool ordered on the stream the launch then uses (torch's caching allocator, CuPy's pool); the
 # run keeps ``owner`` until its launches are queued.
