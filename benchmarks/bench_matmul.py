@@ -192,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg = replace(
             cfg, device="cpu", squares={m: (16, 33) for m in MODES}, odd=(17, 15, 13), tall=(64, 16, 16),
             batched=(3, 8, 8, 8), linear=(32, 24, 16), v1_sizes=(), target_fp32=33, target_bf16=(16, 33),
-            medium=((16, 16, 16), (40, 24, 24), (32, 32, 8)), dw=((24, 16, 1024),),
+            medium=((16, 16, 16), (40, 24, 24), (32, 32, 8)), dw=((24, 16, 64),),
             repeat_s=0.0, min_repeats=3, max_repeats=3, full_ref_rows=8, flush_l2=False, dry_run=True,
             budget_s=0.0,
         )

@@ -70,9 +70,13 @@ def test_configs_and_plan(bench: Any) -> None:
     assert {c.mode for c in cases if c.op == "linear"} == {"bf16", "fp32"}
     v1 = [c for c in cases if c.impls[0] == "cukit simt_v1"]
     assert [c.M for c in v1] == [1024, 2048, 4096] and all(c.mode == "fp32" for c in v1)
+    # the weight-gradient section: fp32 and bf16, each shape once per mode
+    dw = [(c.mode, (c.M, c.N, c.K)) for c in cases if c.kind == "dw"]
+    assert dw == [(m, s) for m in ("fp32", "bf16") for s in bench.Config().dw]
+    assert all(c.M * c.N < 4096 * 4096 and c.K >= 4096 for c in cases if c.kind == "dw")
 
     quick = bench.config_from_args(bench.parse_args(["--quick"]))
-    assert quick.budget_s < 60
+    assert quick.budget_s < 90
     qcases = bench.plan(quick)
     assert [c.shape_label for c in qcases if c.headline][:7] == [
         "4096^3", "4096^3", "8192^3", "1024x1024x1024", "8192x768x768", "4096x4096x1024", "4097x4095x4093"]
@@ -287,7 +291,7 @@ def test_dry_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         if r["impl"] == "cukit.linear":
             assert r["vs_torch"] > 0
     assert {r["mode"] for r in rows} == {"fp32", "tf32", "bf16", "fp16"}
-    assert {r["kind"] for r in rows} == {"square", "medium", "odd", "tall", "batched", "linear"}
+    assert {r["kind"] for r in rows} == {"square", "medium", "odd", "tall", "batched", "linear", "dw"}
     assert any(r.get("ref_rows", 0) < r["M"] for r in rows)  # the row subsample was exercised
     for line in tail.splitlines():
         if line.startswith("  ") and "(target >=" in line:
