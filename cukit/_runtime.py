@@ -36,7 +36,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -497,6 +497,18 @@ _PARAM_LAYOUT: dict[str, tuple[str, int, int]] = {
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
+def retry_without_context(rc: int, device: int, call: Callable[[], int]) -> int:
+    """A driver call's CUresult `rc`, retried once through `call` in `device`'s primary context
+    when it failed because the calling thread had no current context (a fresh thread: autograd's
+    device thread before any CUDA call of its own); else `rc` as it was."""
+    if rc != _CUDA_ERROR_INVALID_CONTEXT:
+        return rc
+    import cupy
+
+    cupy.cuda.runtime.setDevice(device)
+    return call()
+
+
 @functools.lru_cache(maxsize=1)
 def _cu_launch_kernel() -> Any:
     """The driver's cuLaunchKernel through ctypes, or None where libcuda cannot be loaded.
@@ -608,11 +620,7 @@ class Launch:
         """A driver launch that failed with `rc`: retried in the device's primary context when the
         thread had none (a fresh thread), else relaunched through CuPy, which raises the error by
         its name."""
-        if rc == _CUDA_ERROR_INVALID_CONTEXT:
-            import cupy
-
-            cupy.cuda.runtime.setDevice(self.device)
-            rc = self._driver_launch(head, stream)
+        rc = retry_without_context(rc, self.device, lambda: self._driver_launch(head, stream))
         if rc:
             self.fn(self.grid, self.block, self._cupy_head(head) + self.tail, shared_mem=self.smem, stream=stream)
 

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from cukit._device import device_caps
-from cukit._runtime import _CUDA_ERROR_INVALID_CONTEXT, KernelModule, Launch
+from cukit._runtime import KernelModule, Launch, retry_without_context
 from cukit.interop import DTYPES
 from cukit.ops._gemm import (
     EPI_ACCUMULATE,
@@ -604,13 +604,8 @@ def tensor_map(
         u32x3(1, 1, 1), 0, _CU_SWIZZLE_128B, _CU_L2_PROMOTION_256B, 0,
     )
     err = _encode_tiled()(*args)
-    if err == _CUDA_ERROR_INVALID_CONTEXT and device is not None:
-        # a thread with no current context (autograd's device thread before any other CUDA call
-        # of its own): the device's primary context, as Launch does for its launches
-        import cupy
-
-        cupy.cuda.runtime.setDevice(device)
-        err = _encode_tiled()(*args)
+    if device is not None:
+        err = retry_without_context(err, device, lambda: _encode_tiled()(*args))
     if err != 0:
         raise RuntimeError(
             f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims {dims}, strides {strides}, box {box}"
