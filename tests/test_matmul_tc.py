@@ -332,7 +332,7 @@ def test_choose_split_takes_narrow_outputs_with_long_k(h100):
     # the model's numbers: the split's estimate beats one pass by the margin
     g = dw(1024, 256, 16384)
     part = mt.split_slices(g, s)
-    t_split = mt._tma_seconds(part, 132) + mt.split_traffic(g, s) / mt._WS_BYTES_PER_S + mt._REDUCE_S
+    t_split = mt._tma_seconds(part, 132) + mt.split_seconds(g, s)
     assert t_split < mt.SPLIT_GAIN * mt._tma_seconds(g, 132)
 
 

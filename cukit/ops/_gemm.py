@@ -57,12 +57,14 @@ __all__ = [
     "MAX_BATCH_DIMS",
     "SPLITK_SIGNATURE",
     "SPLITK_THREADS",
+    "SPLIT_GAIN",
     "Gemm",
     "GemmFamily",
     "GemmRun",
     "SplitK",
     "Workspace",
     "prepare_split",
+    "split_seconds",
     "split_slices",
     "split_traffic",
     "splitk_grid",
@@ -248,11 +250,25 @@ def split_slices(g: Gemm, splits: int) -> Gemm:
     )
 
 
+# Split-K's cost beyond its slices (split_seconds): the bytes per second of the workspace's round
+# trip (written by the slices, read by the sum; mostly in L2) and the sum's launch. A family takes
+# a split only when its estimate beats one pass by SPLIT_GAIN.
+_WS_BYTES_PER_S = 2.5e12
+_REDUCE_S = 4e-6
+SPLIT_GAIN = 0.85
+
+
 def split_traffic(g: Gemm, splits: int) -> int:
     """Bytes split-K moves beyond the one-pass product: the workspace written by the slices and read
     by the sum, C written by the sum (and read, for EPI_ACCUMULATE)."""
     acc = 8 if g.dtype.name == "float64" else 4
     return (2 * splits * acc + g.out_dtype.itemsize * (1 + (g.epilogue == EPI_ACCUMULATE))) * g.M * g.N
+
+
+def split_seconds(g: Gemm, splits: int) -> float:
+    """Estimated seconds split-K adds to its slices' product: :func:`split_traffic` and the sum's
+    launch (the families' cost models add it to their estimate of the slices)."""
+    return split_traffic(g, splits) / _WS_BYTES_PER_S + _REDUCE_S
 
 
 def splitk_name(dtype: str, out: str, act: int, epi: int) -> str:

@@ -40,13 +40,14 @@ from cukit.ops._gemm import (
     EPI_SCALE_DEVICE,
     EPI_STORE,
     GEMM_SIGNATURE,
+    SPLIT_GAIN,
     SPLITK_SIGNATURE,
     Gemm,
     SplitK,
     Workspace,
     prepare_split,
+    split_seconds,
     split_slices,
-    split_traffic,
     splitk_name,
 )
 
@@ -101,14 +102,10 @@ _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
 
 # Split-K's cost model (choose_split), in seconds: one SM's multiply-adds per second at rate 1.0
-# (H200, 4096^3: float32 44.0 and float64 20.8 TFLOP/s over 132 SMs), the bytes per second of
-# the workspace's round trip (written by the slices, read by the sum; it mostly stays in L2), and
-# the sum's launch. A split must beat the one-pass estimate by SPLIT_GAIN to be taken.
+# (H200, 4096^3: float32 44.0 and float64 20.8 TFLOP/s over 132 SMs), plus the workspace's round
+# trip and the sum (cukit/ops/_gemm.py's split_seconds, SPLIT_GAIN).
 SPLITS_K = True  # prepare() takes workspace= (cukit/ops/_gemm.py's GemmFamily)
 _SM_MACS = {"float32": 1.67e11, "float64": 0.79e11}
-_WS_BYTES_PER_S = 2.5e12
-_REDUCE_S = 4e-6
-SPLIT_GAIN = 0.85
 MAX_SPLITS = 32
 MIN_SLICE_K = 256
 
@@ -231,7 +228,7 @@ def _estimate(g: Gemm, t: Tile, splits: int) -> float:
     k = -(-(g.K // splits) // t.bk) * t.bk
     est = -(-blocks // (t.per_sm * sms)) * t.per_sm * t.bm * t.bn * k / (t.rate * _SM_MACS[g.dtype.name])
     if splits > 1:
-        est += split_traffic(g, splits) / _WS_BYTES_PER_S + _REDUCE_S
+        est += split_seconds(g, splits)
     return est
 
 

@@ -63,13 +63,14 @@ from cukit.ops._gemm import (
     EPI_SCALE_DEVICE,
     EPI_STORE,
     GEMM_SIGNATURE,
+    SPLIT_GAIN,
     SPLITK_SIGNATURE,
     Gemm,
     SplitK,
     Workspace,
     prepare_split,
+    split_seconds,
     split_slices,
-    split_traffic,
     splitk_name,
 )
 
@@ -479,14 +480,10 @@ def _tma_best(g: Gemm, sms: int) -> tuple[int, float]:
 
 
 # Split-K's cost model (choose_split), in seconds: the TMA kernel's multiply-add rate at eff 1.0
-# (H100, 4096^3 bf16 ~620 TFLOP/s at eff 0.94; tf32 half of it), the bytes per second of the
-# float32 workspace's round trip (written by the slices, read by the sum; mostly in L2) and the
-# sum's launch. A split must beat the one-pass estimate by SPLIT_GAIN to be taken.
+# (H100, 4096^3 bf16 ~620 TFLOP/s at eff 0.94; tf32 half of it), plus the workspace's round trip
+# and the sum (cukit/ops/_gemm.py's split_seconds, SPLIT_GAIN).
 SPLITS_K = True  # prepare() takes workspace= (cukit/ops/_gemm.py's GemmFamily)
 _TMA_FLOPS = {"bfloat16": 6.6e14, "float16": 6.6e14, "float32": 3.3e14}
-_WS_BYTES_PER_S = 2.5e12
-_REDUCE_S = 4e-6
-SPLIT_GAIN = 0.85
 MAX_SPLITS = 16
 MIN_SLICE_K = 512
 
@@ -514,7 +511,7 @@ def choose_split(g: Gemm) -> int:
         part = split_slices(g, s)
         if not uses_tma(part):
             continue
-        t = _tma_seconds(part, sms) + split_traffic(g, s) / _WS_BYTES_PER_S + _REDUCE_S
+        t = _tma_seconds(part, sms) + split_seconds(g, s)
         if t < best_t:
             best_t, best = t, s
     return best if best_t < SPLIT_GAIN * one else 1
